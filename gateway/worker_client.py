@@ -1,0 +1,233 @@
+"""Spawns the worker process, owns the two shared-memory rings, and demultiplexes its outputs.
+
+Everything runs on the gateway's event loop: outputs are read only in the reader callback of the
+worker -> gateway ring's wakeup fd, the process sentinel reports the worker's death, and sends that
+find the gateway -> worker ring full wait in order in a backlog flushed by that ring's space wakeup.
+This module must never import torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import multiprocessing
+from multiprocessing.process import BaseProcess
+from typing import AsyncIterator
+
+import msgspec
+
+from worker.__main__ import run_worker
+from worker.config import WorkerConfig
+from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, Ready,
+                                 RequestOutput, Shutdown, StartupFailed, Stats, ToGateway)
+from worker.ipc.shm_ring import ShmRing
+
+logger = logging.getLogger(__name__)
+
+DEAD_WORKER_STATUS = 503
+
+
+class WorkerStartupError(RuntimeError):
+    """The worker could not start; the message is the worker's own."""
+
+
+class WorkerClient:
+    """The gateway's handle on its one worker process."""
+
+    def __init__(self, config: WorkerConfig, *, engine_factory: str = "worker.engine:Engine",
+                 ring_bytes: int = 1 << 24):
+        self._config = config
+        self._engine_factory = engine_factory
+        self._ring_bytes = ring_bytes
+        self.ready: Ready | None = None
+        self.stats = Stats(num_running=0, num_waiting=0)
+        self._alive = False                  # process running and rings open
+        self._death_message = "The worker process is not running."
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ToGateway)
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._commands: dict[int, asyncio.Future[AdapterCommandResult]] = {}
+        self._command_ids = itertools.count()
+        self._backlog: collections.deque[tuple[bytes, asyncio.Future[None]]] = collections.deque()
+        self._process: BaseProcess | None = None
+        self.pid: int | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """True from Ready until the worker exits."""
+        return self._alive and self.ready is not None
+
+    async def start(self) -> Ready:
+        """Spawn the worker and wait for Ready; raises WorkerStartupError with the worker's message."""
+        self._loop = asyncio.get_running_loop()
+        self._to_worker, to_handle = ShmRing.create(self._ring_bytes, "producer")
+        self._from_worker, from_handle = ShmRing.create(self._ring_bytes, "consumer")
+        try:
+            process = multiprocessing.get_context("spawn").Process(
+                target=run_worker, args=(self._config, to_handle, from_handle, self._engine_factory),
+                name="loraplex-worker", daemon=True)
+            process.start()
+        except BaseException:
+            self._to_worker.close()
+            self._from_worker.close()
+            raise
+        finally:
+            to_handle.close()                # the worker holds its own copies now
+            from_handle.close()
+        self._process = process
+        self.pid = process.pid
+        self._alive = True
+        self._started: asyncio.Future[Ready] = self._loop.create_future()
+        self._exited: asyncio.Future[None] = self._loop.create_future()
+        self._loop.add_reader(self._from_worker.wakeup_fd, self._on_worker_readable)
+        self._loop.add_reader(self._process.sentinel, self._on_worker_exit)
+        try:
+            self.ready = await self._started
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self.ready
+
+    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+        """Submit `request` and yield its outputs until the finished one; stopping early aborts it."""
+        request_id = request.request_id
+        if request_id in self._queues:
+            raise ValueError(f"Request id {request_id!r} is already in flight.")
+        if not self._alive:
+            yield self._error_output(request_id)
+            return
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await self._send_in_order(request)
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            del self._queues[request_id]
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the worker to stop `request_id`; its generate() then ends with finish_reason "abort"."""
+        self._send(AbortRequest(request_id))
+
+    async def adapter_command(self, op: str, name: str, path: str | None = None, load_inplace: bool = False,
+                              pinned: bool = False) -> AdapterCommandResult:
+        """Load or unload an adapter in the worker; a dead worker answers ok=False, status 503."""
+        command_id = next(self._command_ids)
+        if not self._alive:
+            return AdapterCommandResult(command_id, ok=False, message=self._death_message,
+                                        status_code=DEAD_WORKER_STATUS)
+        future: asyncio.Future[AdapterCommandResult] = self._loop.create_future()
+        self._commands[command_id] = future
+        try:
+            await self._send_in_order(AdapterCommand(command_id, op, name, path, load_inplace, pinned))
+            return await future
+        finally:
+            self._commands.pop(command_id, None)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit, kill it after `timeout` seconds, and remove the shared memory."""
+        if self._process is None:
+            return
+        self._send(Shutdown())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("The worker did not exit within %.0f s of Shutdown; killing it.", timeout)
+            self._process.kill()
+            await self._exited
+
+    def _send(self, message: msgspec.Struct) -> asyncio.Future[None] | None:
+        """Queue `message` behind earlier ones; a future if it waits for ring space, else None."""
+        if not self._alive:
+            return None
+        frame = self._encoder.encode(message)
+        if not self._backlog and self._to_worker.try_put(frame):
+            return None
+        future = self._loop.create_future()
+        self._backlog.append((frame, future))
+        if len(self._backlog) == 1:
+            self._loop.add_reader(self._to_worker.wakeup_fd, self._on_ring_space)
+        return future
+
+    async def _send_in_order(self, message: msgspec.Struct) -> None:
+        future = self._send(message)
+        if future is not None:
+            await future
+
+    def _on_ring_space(self) -> None:
+        self._to_worker.clear_wakeup()
+        sent = False
+        while self._backlog and self._to_worker.try_put(self._backlog[0][0], notify=False):
+            _, future = self._backlog.popleft()
+            if not future.done():
+                future.set_result(None)
+            sent = True
+        if sent:
+            self._to_worker.notify()
+        if not self._backlog or self._to_worker.peer_closed:
+            self._loop.remove_reader(self._to_worker.wakeup_fd)
+
+    def _on_worker_readable(self) -> None:
+        self._from_worker.clear_wakeup()
+        for frame in self._from_worker.get_many():
+            self._dispatch(self._decoder.decode(frame))
+        if self._from_worker.peer_closed:
+            self._loop.remove_reader(self._from_worker.wakeup_fd)   # the sentinel reports the exit
+
+    def _dispatch(self, message: ToGateway) -> None:
+        match message:
+            case RequestOutput():
+                queue = self._queues.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(message)
+            case Stats():
+                self.stats = message
+            case AdapterCommandResult():
+                future = self._commands.get(message.command_id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            case Ready():
+                self._started.set_result(message)
+            case StartupFailed():
+                self._started.set_exception(WorkerStartupError(message.message))
+
+    def _on_worker_exit(self) -> None:
+        """The process sentinel fired: deliver what it left in the ring, then fail everything in flight."""
+        self._loop.remove_reader(self._process.sentinel)
+        self._process.join(5.0)
+        self._on_worker_readable()
+        code = self._process.exitcode
+        self._death_message = f"The worker process died (exit code {code})."
+        if code != 0:
+            logger.error(self._death_message)
+        self._alive = False
+        self._release_rings()
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(self._error_output(request_id))
+        for command_id, future in self._commands.items():
+            if not future.done():
+                future.set_result(AdapterCommandResult(command_id, ok=False, message=self._death_message,
+                                                       status_code=DEAD_WORKER_STATUS))
+        for _, future in self._backlog:
+            if not future.done():
+                future.set_result(None)
+        self._backlog.clear()
+        if not self._started.done():
+            self._started.set_exception(WorkerStartupError(self._death_message))
+        self._exited.set_result(None)
+
+    def _release_rings(self) -> None:
+        self._loop.remove_reader(self._from_worker.wakeup_fd)
+        self._loop.remove_reader(self._to_worker.wakeup_fd)
+        self._to_worker.close()
+        self._from_worker.close()
+        self._process.close()
+
+    def _error_output(self, request_id: str) -> RequestOutput:
+        return RequestOutput(request_id, [], finish_reason="error", error=self._death_message)

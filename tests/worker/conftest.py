@@ -1,0 +1,86 @@
+"""Tiny Hugging Face models and PEFT adapters, built in the test session (no network)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    r: int
+    targets: tuple[str, ...]
+    alpha: int
+    use_rslora: bool = False
+    rank_pattern: dict | None = None
+    alpha_pattern: dict | None = None
+
+
+ADAPTERS = (
+    AdapterSpec("r4-qv", 4, ("q_proj", "v_proj"), alpha=8),
+    AdapterSpec("r8-all", 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                alpha=16, rank_pattern={"down_proj": 4}, alpha_pattern={"o_proj": 32}),
+    AdapterSpec("r16-mlp-rs", 16, ("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), alpha=8,
+                use_rslora=True),
+)
+
+
+def _hf_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0, initializer_range=0.1)
+    if arch == "llama":
+        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    return Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
+
+
+def _randomize_extras(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Biases and norm weights start as constants in HF; make them random so loading them is tested."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(p + 0.1 * torch.randn(p.shape, generator=gen))
+
+
+def build_hf_model(arch: str, root: Path) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config(arch), dtype=torch.float32)
+    _randomize_extras(model, torch.Generator().manual_seed(1))
+    model_dir = root / arch
+    model.save_pretrained(model_dir, safe_serialization=True)
+    for i, spec in enumerate(ADAPTERS):
+        torch.manual_seed(100 + i)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                         use_rslora=spec.use_rslora, rank_pattern=spec.rank_pattern or {},
+                         alpha_pattern=spec.alpha_pattern or {}, init_lora_weights=False, lora_dropout=0.0)
+        peft_model = get_peft_model(base, cfg)
+        with torch.no_grad():   # PEFT's non-default init is small; make each adapter matter
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(20.0)
+        peft_model.save_pretrained(root / f"{arch}-{spec.name}")
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: build_hf_model(arch, root) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def adapter_dir(model_dir: Path, name: str) -> Path:
+    return model_dir.parent / f"{model_dir.name}-{name}"

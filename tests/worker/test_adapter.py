@@ -1,0 +1,132 @@
+"""PEFT adapter parsing: supported configs load with the right scalings; every unsupported case is refused
+with a message naming the field and value, and nothing is left registered."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.worker.conftest import ADAPTERS, adapter_dir
+from worker.config import LoRAConfig, ModelConfig, WorkerConfig
+from worker.engine import Engine
+from worker.lora.adapter import AdapterError, load_adapter
+from worker.models.hf_config import ArchConfig
+
+
+@pytest.fixture(scope="module")
+def engine(hf_models):
+    return Engine(WorkerConfig(ModelConfig(str(hf_models["llama"])), lora=LoRAConfig(max_lora_rank=16),
+                               device="cpu"))
+
+
+def _copy_adapter(hf_models, tmp_path, name="r8-all"):
+    dst = tmp_path / "adapter"
+    shutil.copytree(adapter_dir(hf_models["llama"], name), dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: s.name)
+def test_scalings_follow_peft_rules(hf_models, spec):
+    arch = ArchConfig.from_dir(hf_models["llama"])
+    adapter = load_adapter(spec.name, adapter_dir(hf_models["llama"], spec.name), arch, 16, torch.float32)
+    assert set(adapter.target_modules) == set(spec.targets)
+    for (layer, target), m in adapter.modules.items():
+        r = (spec.rank_pattern or {}).get(target, spec.r)
+        alpha = (spec.alpha_pattern or {}).get(target, spec.alpha)
+        assert m.rank == r
+        assert m.scaling == pytest.approx(alpha / math.sqrt(r) if spec.use_rslora else alpha / r)
+    assert adapter.rank == spec.r
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "use_dora"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
+    ({"bias": "all"}, "bias='all'"),
+    ({"r": 32}, "LoRA rank 32 is greater than max_lora_rank 16"),
+    ({"target_modules": ["q_proj", "c_attn"]}, "'c_attn'"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+])
+def test_unsupported_config_is_refused_by_name(engine, hf_models, tmp_path, change, message):
+    path = _copy_adapter(hf_models, tmp_path)
+    _edit_config(path, **change)
+    with pytest.raises(AdapterError) as err:
+        engine.add_adapter("bad", str(path))
+    assert message in str(err.value)
+    assert "bad" not in engine._adapter_refs
+
+
+def test_tensor_of_wrong_shape_is_refused(engine, hf_models, tmp_path):
+    path = _copy_adapter(hf_models, tmp_path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "q_proj.lora_B" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"do not fit the base model"):
+        engine.add_adapter("bad", str(path))
+    assert "bad" not in engine._adapter_refs
+
+
+def test_weights_for_a_layer_the_model_lacks_are_refused(engine, hf_models, tmp_path):
+    path = _copy_adapter(hf_models, tmp_path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    tensors = {k.replace("layers.1.", "layers.7."): v for k, v in tensors.items()}
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="layer 7, but the base model has 2 layers"):
+        engine.add_adapter("bad", str(path))
+
+
+def test_embedding_lora_is_refused(engine, hf_models, tmp_path):
+    path = _copy_adapter(hf_models, tmp_path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(8, 320)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="embed_tokens.lora_embedding_A"):
+        engine.add_adapter("bad", str(path))
+
+
+@pytest.mark.parametrize("remove, message", [
+    ("adapter_config.json", "adapter_config.json is missing"),
+    ("adapter_model.safetensors", "adapter_model.safetensors is missing"),
+])
+def test_missing_files_are_refused(engine, hf_models, tmp_path, remove, message):
+    path = _copy_adapter(hf_models, tmp_path)
+    (path / remove).unlink()
+    with pytest.raises(AdapterError, match=message) as err:
+        engine.add_adapter("bad", str(path))
+    assert err.value.status_code == 404
+
+
+def test_unreadable_files_are_refused(engine, hf_models, tmp_path):
+    path = _copy_adapter(hf_models, tmp_path)
+    (path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match="adapter_model.safetensors .* is unreadable"):
+        engine.add_adapter("bad", str(path))
+    (path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="adapter_config.json .* is unreadable"):
+        engine.add_adapter("bad", str(path))
+
+
+def test_missing_directory_is_refused(engine, tmp_path):
+    with pytest.raises(AdapterError, match="directory does not exist"):
+        engine.add_adapter("bad", str(tmp_path / "nowhere"))
+
+
+def test_duplicate_name_needs_load_inplace(engine, hf_models):
+    path = str(adapter_dir(hf_models["llama"], "r4-qv"))
+    engine.add_adapter("dup", path)
+    with pytest.raises(AdapterError, match="has already been loaded"):
+        engine.add_adapter("dup", path)
+    engine.add_adapter("dup", path, load_inplace=True)
+    engine.remove_adapter("dup")
+    with pytest.raises(AdapterError, match="cannot be found"):
+        engine.remove_adapter("dup")

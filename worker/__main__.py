@@ -1,0 +1,167 @@
+"""The worker process: owns the Engine and serves the gateway over two shared-memory rings.
+
+`run_worker` is the multiprocessing spawn target used by gateway.worker_client.WorkerClient; the
+worker has no command line of its own. Nothing here imports torch: the engine module is imported
+by name, in the child, through `engine_factory`.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import select
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+
+from worker.config import WorkerConfig
+from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, Ready,
+                                 RequestOutput, Shutdown, StartupFailed, Stats, ToWorker)
+from worker.ipc.shm_ring import ShmRing, ShmRingHandle
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayGone(Exception):
+    """The gateway process exited: nobody is left to serve."""
+
+
+def load_factory(dotted: str) -> Callable[[WorkerConfig], Any]:
+    """The object named by a "package.module:Name" path."""
+    module_name, _, attr = dotted.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class Worker:
+    """Serves one engine: messages in from the gateway's ring, outputs back on the other."""
+
+    def __init__(self, inbound: ShmRing, outbound: ShmRing, parent_sentinel: int):
+        self._inbound, self._outbound = inbound, outbound
+        self._parent_sentinel = parent_sentinel
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ToWorker)
+        self._stats: Stats | None = None
+        self._unnotified = False
+
+    def send(self, message: msgspec.Struct) -> None:
+        """Put one message on the outbound ring, waiting for space while it is full."""
+        frame = self._encoder.encode(message)
+        while not self._outbound.try_put(frame, notify=False):
+            self._outbound.notify()
+            self._block_on(self._outbound)
+        self._unnotified = True
+
+    def flush(self) -> None:
+        """Wake the gateway once for everything sent since the last flush."""
+        if self._unnotified:
+            self._outbound.notify()
+            self._unnotified = False
+
+    def serve(self, engine: Engine) -> None:
+        """Run until Shutdown: drain requests, step the engine while it has work, sleep when idle."""
+        while True:
+            self._inbound.clear_wakeup()
+            if self._inbound.peer_closed:
+                raise GatewayGone()
+            for frame in self._inbound.get_many():
+                if not self._handle(engine, self._decoder.decode(frame)):
+                    return
+            if engine.has_unfinished():
+                for output in engine.step():
+                    self.send(output)
+            self._send_stats_if_changed(engine)
+            self.flush()
+            if not engine.has_unfinished():
+                self._block_on(self._inbound)
+
+    def close(self) -> None:
+        self._inbound.close()
+        self._outbound.close()
+
+    def _handle(self, engine: Engine, message: ToWorker) -> bool:
+        """Apply one gateway message; False on Shutdown."""
+        match message:
+            case AddRequest():
+                self._add_request(engine, message)
+            case AbortRequest():
+                output = engine.abort_request(message.request_id)
+                if output is not None:
+                    self.send(output)
+            case AdapterCommand():
+                self.send(self._adapter_command(engine, message))
+            case Shutdown():
+                return False
+        return True
+
+    def _add_request(self, engine: Engine, request: AddRequest) -> None:
+        try:
+            engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.lora_name)
+        except Exception as e:
+            if not (isinstance(e, ValueError) or hasattr(e, "status_code")):
+                raise
+            self.send(RequestOutput(request.request_id, [], finish_reason="error", error=str(e),
+                                    num_prompt_tokens=len(request.prompt_token_ids)))
+
+    def _adapter_command(self, engine: Engine, command: AdapterCommand) -> AdapterCommandResult:
+        if command.op not in ("load", "unload"):
+            return AdapterCommandResult(command.command_id, ok=False, status_code=400,
+                                        message=f"Unknown adapter command {command.op!r}; expected 'load' or 'unload'.")
+        try:
+            if command.op == "load":
+                engine.add_adapter(command.name, command.path, load_inplace=command.load_inplace,
+                                   pinned=command.pinned)
+            else:
+                engine.remove_adapter(command.name)
+        except Exception as e:
+            if not hasattr(e, "status_code"):
+                logger.exception("Adapter %s of %r failed", command.op, command.name)
+            return AdapterCommandResult(command.command_id, ok=False, message=str(e),
+                                        status_code=getattr(e, "status_code", 400))
+        return AdapterCommandResult(command.command_id, ok=True)
+
+    def _send_stats_if_changed(self, engine: Engine) -> None:
+        stats = Stats(engine.num_running, engine.num_waiting, list(engine.running_adapter_names()),
+                      list(engine.waiting_adapter_names()))
+        if stats != self._stats:
+            self.send(stats)
+            self._stats = stats
+
+    def _block_on(self, ring: ShmRing) -> None:
+        """Sleep until `ring` signals; raises GatewayGone if the gateway exits meanwhile."""
+        readable, _, _ = select.select([ring.wakeup_fd, self._parent_sentinel], [], [])
+        ring.clear_wakeup()
+        if self._parent_sentinel in readable or ring.peer_closed:
+            raise GatewayGone()
+
+
+def run_worker(config: WorkerConfig, inbound: ShmRingHandle, outbound: ShmRingHandle,
+               engine_factory: str = "worker.engine:Engine") -> None:
+    """Spawn target: build the engine, answer Ready (or StartupFailed and exit 1), then serve."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    worker = Worker(ShmRing.attach(inbound), ShmRing.attach(outbound),
+                    multiprocessing.parent_process().sentinel)
+    try:
+        _start_and_serve(worker, config, engine_factory)
+    except GatewayGone:
+        logger.warning("The gateway process exited; stopping the worker.")
+    finally:
+        worker.close()
+
+
+def _start_and_serve(worker: Worker, config: WorkerConfig, engine_factory: str) -> None:
+    try:
+        engine = load_factory(engine_factory)(config)
+    except Exception as e:
+        logger.exception("Engine startup failed")
+        worker.send(StartupFailed(f"{type(e).__name__}: {e}"))
+        worker.flush()
+        sys.exit(1)
+    worker.send(Ready(engine.max_model_len, engine.vocab_size, list(engine.eos_token_ids), engine.num_kv_blocks))
+    worker.flush()
+    logger.info("Worker ready: max_model_len=%d, %d KV blocks", engine.max_model_len, engine.num_kv_blocks)
+    worker.serve(engine)
+    logger.info("Worker shut down.")

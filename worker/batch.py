@@ -1,0 +1,83 @@
+"""Where the scheduler and the model runner meet.
+
+ScheduledBatch (pure Python) is what the scheduler decided for one step. ForwardBatch and
+LoRABatchInfo (tensors) are what the input builder made of it for the model; they live in
+persistent buffers owned by the runner, so the same storage is refilled every step (CUDA-graph safe).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from worker.request import AdapterRef, Request
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int            # first position computed this step (= request.num_computed_tokens)
+    num_new_tokens: int   # tokens computed this step: positions [start, start + num_new_tokens)
+    lora_slot: int        # GPU slot of the request's adapter; -1 for the base model
+    samples: bool = field(init=False)   # this step reaches the last known token: a new token is sampled
+
+    def __post_init__(self) -> None:
+        # fixed at scheduling time: update() appends the sampled token, which moves request.num_tokens
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids_slice(self.start, self.start + self.num_new_tokens)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    adapter_loads: list[tuple[AdapterRef, int]] = field(default_factory=list)  # (adapter, slot) to fill first
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class LoRABatchInfo:
+    """LoRA metadata of one step. Tokens are grouped into segments of one adapter each.
+
+    Running example: sequences with slots [a, a, -1, b] and new-token counts [3, 1, 2, 2] give
+    segments [a, -1, b]: seg_indptr = [0, 4, 6, 8], weight_indices = [a, -1, b].
+    """
+    num_segments: int
+    seg_indptr: "torch.Tensor"      # [max_segments + 1] int32; token offsets of segments
+    weight_indices: "torch.Tensor"  # [max_segments] int32; slot of each segment, -1 = base only
+    ranks: "torch.Tensor"           # [max_loras] int32; rank of the adapter in each slot (0 = empty)
+    max_rank: int                   # max over slots used this step (host-side, for loop bounds)
+    # host copies for the reference path, which loops over segments on the CPU
+    seg_indptr_host: list[int] = field(default_factory=list)
+    weight_indices_host: list[int] = field(default_factory=list)
+    ranks_host: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors the model reads in one step; tokens of all sequences are flattened in batch order."""
+    num_tokens: int
+    num_seqs: int
+    input_ids: "torch.Tensor"       # [num_tokens] int64
+    positions: "torch.Tensor"       # [num_tokens] int64
+    slot_mapping: "torch.Tensor"    # [num_tokens] int64; KV-pool slot (block * block_size + offset) per token
+    query_start_loc: "torch.Tensor"  # [num_seqs + 1] int32; token offsets of sequences
+    seq_lens: "torch.Tensor"        # [num_seqs] int32; context length after this step
+    block_tables: "torch.Tensor"    # [num_seqs, max_blocks_per_seq] int32; -1 padded
+    logits_indices: "torch.Tensor"  # [num_sampled] int64; token rows whose logits are sampled
+    lora: LoRABatchInfo | None = None
+    # host copies for reference paths that loop on the CPU (never read on the GPU fast path)
+    query_start_loc_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)

@@ -1,0 +1,49 @@
+"""Frozen configuration of the worker, one dataclass per subsystem.
+
+Values computed at run time (the number of KV blocks, for one) are returned by the component
+that computes them, never written back here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str                        # Hugging Face directory: config.json + *.safetensors
+    dtype: str = "auto"              # auto | float32 | float16 | bfloat16
+    load_format: str = "auto"        # auto | dummy (random weights from config.json alone)
+    max_model_len: int | None = None  # None: the model's own max_position_embeddings
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9     # share of device memory the worker may use (CUDA)
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default: cpu_kv_cache_bytes
+    cpu_kv_cache_bytes: int = 1 << 30
+    num_blocks_override: int | None = None  # tests: an exact pool size
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 4            # GPU slots; also the cap on distinct adapters in one batch
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # host cache entries; None: no bound
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048   # per-step token budget (chunked prefill splits above it)
+    max_adapter_bypasses: int = 16       # later requests may overtake one waiting for a slot this often
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"          # auto | cpu | cuda

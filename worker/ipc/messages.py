@@ -1,0 +1,109 @@
+"""Wire types between the gateway and the worker (msgspec structs; no torch here).
+
+The gateway imports this module, so it must stay free of torch and of anything that imports it.
+Gateway → worker: AddRequest, AbortRequest, AdapterCommand, Shutdown.
+Worker → gateway: Ready, StartupFailed, RequestOutput, AdapterCommandResult, Stats.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """Per-request generation settings, with vLLM's names and defaults."""
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0      # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None       # same tokens whatever the batch mates
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None         # None: no logprobs; k >= 0: sampled token + top-k alternatives
+    prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token (first one has none)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One position's logprobs: the chosen token and the top-k alternatives (raw model distribution)."""
+    token_id: int
+    logprob: float
+    rank: int                                  # 1 = the most likely token
+    top: list[tuple[int, float]] = []          # [(token_id, logprob)] best first
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_name: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class AdapterCommand(msgspec.Struct, tag=True):
+    """load | unload an adapter by name; the worker answers with AdapterCommandResult(command_id)."""
+    command_id: int
+    op: str                      # "load" | "unload"
+    name: str
+    path: str | None = None
+    load_inplace: bool = False
+    pinned: bool = False
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class RequestOutput(msgspec.Struct, tag=True):
+    """New tokens of one request since its previous output; finish_reason set on the last one."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # once, with the first output
+    finish_reason: str | None = None        # None | "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None          # the stop token id that ended it, if any
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class AdapterCommandResult(msgspec.Struct, tag=True):
+    command_id: int
+    ok: bool
+    message: str = ""
+    status_code: int = 200
+
+
+class Stats(msgspec.Struct, tag=True):
+    num_running: int
+    num_waiting: int
+    running_adapters: list[str] = []
+    waiting_adapters: list[str] = []
+
+
+ToWorker = AddRequest | AbortRequest | AdapterCommand | Shutdown
+ToGateway = Ready | StartupFailed | RequestOutput | AdapterCommandResult | Stats

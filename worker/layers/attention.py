@@ -1,0 +1,23 @@
+"""Paged attention over the KV pool: writes the step's K/V, then attends (prefill, extend, decode alike)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.batch import ForwardBatch
+from worker.kernels import reference
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
+        reference.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,
+                                         batch.seq_lens_host, self.scale)

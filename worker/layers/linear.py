@@ -1,0 +1,67 @@
+"""Linear projections with fused output slices (qkv, gate_up) and per-token-segment LoRA deltas."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.batch import LoRABatchInfo
+from worker.kernels import reference
+
+
+@dataclass
+class LoRAWeights:
+    """One projection's slice of the LoRA slot pool (views owned by lora/gpu_pool.py).
+
+    Slice s of adapter slot w uses rows [s*R, s*R + rank) of a[w] and rows
+    [slice_offsets[s], slice_offsets[s+1]) of b[w]; slots are zero-padded to R = max_lora_rank.
+    """
+    a: torch.Tensor            # [num_slots, num_slices * R, in_features]
+    b: torch.Tensor            # [num_slots, out_features, R]
+    scalings: torch.Tensor     # [num_slots, num_slices] float32
+    slice_offsets: list[int]   # [num_slices + 1]
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_offsets) - 1
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.slice_offsets = [0]
+        for size in output_sizes:
+            self.slice_offsets.append(self.slice_offsets[-1] + size)
+        out = self.slice_offsets[-1]
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+        self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
+
+    def load_shard(self, param: str, shard: int | None, tensor: torch.Tensor) -> None:
+        """Copy a checkpoint tensor into the whole parameter (shard None) or into one output slice."""
+        target = getattr(self, param)
+        if shard is not None:
+            target = target[self.slice_offsets[shard]:self.slice_offsets[shard + 1]]
+        if target.shape != tensor.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+        target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and lora_info is not None and lora_info.max_rank > 0:
+            self._add_lora(x, y, lora_info)
+        return y
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor, info: LoRABatchInfo) -> None:
+        w = self.lora
+        xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
+                                   info.ranks_host, w.num_slices)
+        reference.lora_expand(y, xa, w.b, info.seg_indptr_host, info.weight_indices_host,
+                              info.ranks_host, w.scalings, w.slice_offsets)

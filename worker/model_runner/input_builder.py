@@ -1,0 +1,88 @@
+"""ScheduledBatch -> ForwardBatch, through persistent buffers refilled every step.
+
+Host-side staging buffers (pinned on CUDA) are filled in Python, then copied to device buffers of
+fixed size with non_blocking=True; the ForwardBatch holds views of the device buffers, so their
+storage never moves (what CUDA graphs need).
+"""
+from __future__ import annotations
+
+import torch
+
+from worker.batch import ForwardBatch, LoRABatchInfo, ScheduledBatch
+
+
+class InputBuilder:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device, lora_ranks_host: list[int] | None, lora_ranks: torch.Tensor | None):
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+        i32, i64 = torch.int32, torch.int64
+        shapes = {"input_ids": ([max_num_tokens], i64), "positions": ([max_num_tokens], i64),
+                  "slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
+                  "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
+                  "logits_indices": ([max_num_seqs], i64), "seg_indptr": ([max_num_seqs + 1], i32),
+                  "weight_indices": ([max_num_seqs], i32)}
+        self.host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
+        self.dev = ({k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
+                    if device.type != "cpu" else self.host)
+        self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
+
+    def build(self, batch: ScheduledBatch) -> ForwardBatch:
+        h = self.host
+        ids, pos, slots, qsl, lens, logits_idx = [], [], [], [0], [], []
+        h["block_tables"].fill_(-1)
+        for i, seq in enumerate(batch.seqs):
+            end = seq.start + seq.num_new_tokens
+            ids += seq.token_ids
+            pos += range(seq.start, end)
+            blocks = seq.request.block_ids
+            slots += [blocks[p // self.block_size] * self.block_size + p % self.block_size
+                      for p in range(seq.start, end)]
+            qsl.append(qsl[-1] + seq.num_new_tokens)
+            lens.append(end)
+            h["block_tables"][i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            if seq.samples:
+                logits_idx.append(qsl[-1] - 1)
+        n_tok, n_seq = qsl[-1], len(batch.seqs)
+        for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
+                             ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx)):
+            h[name][:len(values)] = torch.tensor(values, dtype=h[name].dtype)
+        lora = self._build_lora(batch)
+        self._to_device()
+        d = self.dev
+        return ForwardBatch(
+            num_tokens=n_tok, num_seqs=n_seq, input_ids=d["input_ids"][:n_tok], positions=d["positions"][:n_tok],
+            slot_mapping=d["slot_mapping"][:n_tok], query_start_loc=d["query_start_loc"][:n_seq + 1],
+            seq_lens=d["seq_lens"][:n_seq], block_tables=d["block_tables"][:n_seq],
+            logits_indices=d["logits_indices"][:len(logits_idx)], lora=lora,
+            query_start_loc_host=qsl, seq_lens_host=lens)
+
+    def _build_lora(self, batch: ScheduledBatch) -> LoRABatchInfo | None:
+        """Merge consecutive sequences of the same slot into segments.
+
+        Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b].
+        """
+        if self.lora_ranks is None:
+            return None
+        indptr, weights = [0], []
+        for seq in batch.seqs:
+            if weights and weights[-1] == seq.lora_slot:
+                indptr[-1] += seq.num_new_tokens
+            else:
+                weights.append(seq.lora_slot)
+                indptr.append(indptr[-1] + seq.num_new_tokens)
+        self.host["seg_indptr"][:len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
+        self.host["weight_indices"][:len(weights)] = torch.tensor(weights, dtype=torch.int32)
+        ranks = self.lora_ranks_host
+        max_rank = max((ranks[w] for w in weights if w >= 0), default=0)
+        return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
+                             weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
+                             max_rank=max_rank, seg_indptr_host=indptr, weight_indices_host=weights,
+                             ranks_host=list(ranks))
+
+    def _to_device(self) -> None:
+        if self.dev is self.host:
+            return
+        for name, buf in self.host.items():
+            self.dev[name].copy_(buf, non_blocking=True)

@@ -1,0 +1,61 @@
+"""ModelRunner: owns the device side (weights, KV pool, LoRA slot pool, sampler) and runs one step."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from worker.batch import ScheduledBatch
+from worker.config import WorkerConfig
+from worker.ipc.messages import TokenLogprob
+from worker.kv_cache.kv_pool import KVPool
+from worker.lora.adapter import LoRAAdapter
+from worker.lora.gpu_pool import GPULoRAPool
+from worker.model_runner.input_builder import InputBuilder
+from worker.model_runner.sampler import Sampler, SamplingRow
+from worker.models.hf_config import ArchConfig
+from worker.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelOutput:
+    token_ids: list[int]                   # one per sampling sequence, in batch order
+    logprobs: list[TokenLogprob | None]    # likewise
+    logits: torch.Tensor                   # [num_sampling_seqs, vocab] float32 (tests compare it)
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int):
+        self.device, self.dtype = device, dtype
+        m = config.model
+        self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, m.seed)
+        self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
+        self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
+        sched = config.scheduler
+        max_blocks = -(-max_model_len // config.cache.block_size)
+        self.input_builder = InputBuilder(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
+                                          config.cache.block_size, device, self.lora_pool.ranks_host,
+                                          self.lora_pool.ranks)
+        self.sampler = Sampler(arch.vocab_size, seed=m.seed, device=device, eos_token_ids=list(arch.eos_token_ids))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_pool.num_blocks
+
+    def load_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.lora_pool.load(slot, adapter)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        forward_batch = self.input_builder.build(batch)
+        logits = self.model(forward_batch, self.kv_pool.caches)    # [num_sampling_seqs, vocab]
+        rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
+                for s in batch.seqs if s.samples]
+        if not rows:
+            return ModelOutput([], [], logits)
+        out = self.sampler(logits, rows)
+        return ModelOutput(out.token_ids.tolist(), out.logprobs, logits)

@@ -1,0 +1,224 @@
+"""Token sampling with vLLM's semantics: penalties, min_tokens, temperature, top-k/top-p/min-p,
+seeded draws, and logprobs of the raw model distribution.
+
+Every step is a batched tensor operation over the rows; per-request settings become [num_rows]
+tensors. Python values are read back only at the end, for the logprobs handed to the gateway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.ipc.messages import SamplingParams, TokenLogprob
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits: its request's settings and tokens."""
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]     # tokens generated before this step
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                 # [num_rows] int64, on the sampler's device
+    logprobs: list[TokenLogprob | None]     # per row; None where params.logprobs is None
+
+
+class Sampler:
+    """Picks one token per row of logits; all work is done in float32."""
+
+    def __init__(self, vocab_size: int, seed: int = 0, device: str | torch.device = "cpu",
+                 eos_token_ids: tuple[int, ...] | list[int] = ()):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = list(eos_token_ids)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)  # rows without a seed
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        # logits: [num_rows, vocab_size] float32 or bfloat16
+        raw = logits.float()
+        processed = self.process_logits(raw, rows)
+        token_ids = processed.argmax(dim=-1)                                   # [num_rows]
+        if not all(r.params.greedy for r in rows):
+            drawn = self._draw(self.sampling_probs(processed, rows), rows)     # [num_rows]
+            greedy = self._to_device([r.params.greedy for r in rows], torch.bool)
+            token_ids = torch.where(greedy, token_ids, drawn)
+        return SamplerOutput(token_ids, self._row_logprobs(raw, token_ids, rows))
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties (repetition, frequency, presence), then the min_tokens mask: the logits a
+        greedy row takes the argmax of, in float32. `logits` itself is never written to."""
+        logits = logits.float()
+        if any(_has_penalty(r.params) for r in rows):
+            logits = self._apply_penalties(logits, rows)
+        return self._mask_early_stops(logits, rows)
+
+    def sampling_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top_k, top_p, min_p in that order, then softmax: the distribution a random
+        row draws from. Greedy rows are scaled with temperature 1 (their draw is not used)."""
+        temperature = self._to_device(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows], torch.float32)
+        logits = logits / temperature[:, None]
+        if any(_top_k(r.params, self.vocab_size) < self.vocab_size or r.params.top_p < 1.0
+               for r in rows):
+            logits = self._apply_top_k_top_p(logits, rows)
+        if any(r.params.min_p > 0.0 for r in rows):
+            logits = self._apply_min_p(logits, rows)
+        return logits.softmax(dim=-1)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        counts = self._token_counts([r.output_token_ids for r in rows])          # [n, V]
+        seen = (self._token_counts([r.prompt_token_ids for r in rows]) > 0) | (counts > 0)
+        repetition = self._to_device([r.params.repetition_penalty for r in rows], torch.float32)
+        frequency = self._to_device([r.params.frequency_penalty for r in rows], torch.float32)
+        presence = self._to_device([r.params.presence_penalty for r in rows], torch.float32)
+        repetition = torch.where(seen, repetition[:, None], 1.0)                  # [n, V]
+        logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+        return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+    def _mask_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Rows short of min_tokens cannot end: their stop ids (and eos unless ignore_eos) get -inf."""
+        pairs = [(i, t) for i, r in enumerate(rows)
+                 if len(r.output_token_ids) < r.params.min_tokens for t in self._stop_ids(r.params)]
+        if not pairs:
+            return logits
+        row_idx, token_idx = zip(*pairs)
+        indices = (self._to_device(row_idx, torch.int64), self._to_device(token_idx, torch.int64))
+        return logits.index_put(indices, torch.tensor(float("-inf"), device=logits.device))
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        return params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+
+    def _apply_top_k_top_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """top_k keeps every token at least as likely as the k-th; top_p then keeps the smallest
+        prefix (best first) whose probability reaches top_p, so the best token always stays."""
+        k = self._to_device([_top_k(r.params, self.vocab_size) for r in rows], torch.int64)
+        top_p = self._to_device([r.params.top_p for r in rows], torch.float32)[:, None]
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)   # [n, V]
+        kth = sorted_logits.gather(1, (k - 1)[:, None])                            # [n, 1]
+        below_k = sorted_logits < kth
+        probs = sorted_logits.masked_fill(below_k, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs          # probability of the better tokens
+        drop_sorted = below_k | ((mass_before >= top_p) & (top_p < 1.0))
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)          # vocab order
+        return logits.masked_fill(drop, float("-inf"))
+
+    def _apply_min_p(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        min_p = self._to_device([r.params.min_p for r in rows], torch.float32)[:, None]
+        probs = logits.softmax(dim=-1)                                                # [n, V]
+        return logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Exponential race: with q ~ Exp(1) per token, argmax(probs / q) is a draw from probs.
+        A seeded row takes q from a generator seeded by (seed, number of tokens generated so far),
+        so its token depends on nothing else in the batch."""
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)      # [n, V]
+        for i, r in enumerate(rows):
+            if r.params.seed is not None and not r.params.greedy:
+                seed = _row_seed(r.params.seed, len(r.output_token_ids))
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                noise[i] = torch.empty_like(probs[i]).exponential_(generator=generator)
+        noise = noise.clamp_min(torch.finfo(noise.dtype).tiny)   # q = 0 would make 0/0 = nan win
+        return (probs / noise).argmax(dim=-1)
+
+    def _row_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
+                      rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(rows)
+        if not wanted:
+            return out
+        idx = self._to_device(wanted, torch.int64)
+        k = max(rows[i].params.logprobs for i in wanted)
+        entries = _to_token_logprobs(*_logprob_tensors(logits[idx], token_ids[idx], k))
+        for i, entry in zip(wanted, entries):
+            entry.top = entry.top[:rows[i].params.logprobs]
+            out[i] = entry
+        return out
+
+    def _token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
+        """[num_rows, vocab_size] float32: how often each token occurs in each row's list."""
+        lengths = self._to_device([len(ids) for ids in token_lists], torch.int64)
+        row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=self.device), lengths)
+        token_idx = self._to_device([t for ids in token_lists for t in ids], torch.int64)
+        counts = torch.zeros(len(token_lists), self.vocab_size, device=self.device)
+        return counts.index_put_((row_idx, token_idx), torch.ones_like(token_idx, dtype=counts.dtype),
+                                 accumulate=True)
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+
+def compute_logprobs(logits_rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Row i of `logits_rows` scored against token_ids[i] (raw distribution), with its k best tokens."""
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits_rows.device)
+    return _to_token_logprobs(*_logprob_tensors(logits_rows, ids, k))
+
+
+def _logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k: int):
+    """Logprobs and ranks of token_ids, and the k best tokens with their logprobs.
+
+    Ranks and order are taken on the float32 logits, which log_softmax's rounding cannot reorder.
+    """
+    # logits: [n, V]; token_ids: [n] int64
+    logits = logits.float()
+    logprobs = logits.log_softmax(dim=-1)                                     # [n, V]
+    chosen = token_ids[:, None]                                               # [n, 1]
+    ranks = (logits > logits.gather(1, chosen)).sum(dim=-1) + 1              # [n]
+    top_ids = _top_k_ids(logits, min(k, logits.shape[1]))                    # [n, k]
+    return token_ids, logprobs.gather(1, chosen)[:, 0], ranks, top_ids, logprobs.gather(1, top_ids)
+
+
+def _top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids of the k largest logits per row, best first; equal logits in ascending id order.
+
+    torch.topk breaks ties arbitrarily, so tokens tied with the k-th value are picked again by id.
+    Running example: logits [1, 3, 3, 2, 3], k = 2: k-th value 3, no token above it,
+    tied ids {1, 2, 4} → [1, 2].
+    """
+    # logits: [n, V]
+    if k == 0:
+        return torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
+    values, ids = logits.topk(k, dim=-1)                                      # [n, k]
+    kth = values[:, -1:]                                                      # [n, 1]
+    num_above = (values > kth).sum(dim=-1, keepdim=True)                      # [n, 1]
+    ids, by_id = ids.sort(dim=-1)
+    best = ids.gather(1, values.gather(1, by_id).sort(dim=-1, descending=True, stable=True).indices)
+    vocab_ids = torch.arange(logits.shape[1], device=logits.device)
+    tie_key = torch.where(logits == kth, -vocab_ids, -logits.shape[1])       # [n, V]; larger = lower id
+    tied_ids = tie_key.topk(k, dim=-1).indices                                # [n, k]
+    slot = torch.arange(k, device=logits.device)                              # [k]
+    tie_slot = (slot - num_above).clamp_min(0)                                # [n, k]
+    return torch.where(slot < num_above, best, tied_ids.gather(1, tie_slot))
+
+
+def _to_token_logprobs(token_ids, logprobs, ranks, top_ids, top_logprobs) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=t, logprob=lp, rank=r, top=list(zip(ids, lps)))
+            for t, lp, r, ids, lps in zip(token_ids.tolist(), logprobs.tolist(), ranks.tolist(),
+                                           top_ids.tolist(), top_logprobs.tolist())]
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+def _top_k(params: SamplingParams, vocab_size: int) -> int:
+    """top_k as a count of tokens kept; 0 or -1 (disabled) keeps the whole vocabulary."""
+    return params.top_k if 0 < params.top_k < vocab_size else vocab_size
+
+
+def _row_seed(seed: int, step: int) -> int:
+    """A 64-bit generator seed from a request seed and a step (splitmix64, applied twice)."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

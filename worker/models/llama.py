@@ -1,0 +1,101 @@
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+Our own modules: fused qkv and gate_up projections, paged attention, LoRA on every projection.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.batch import ForwardBatch
+from worker.layers.attention import Attention
+from worker.layers.embedding import Embedding, LMHead
+from worker.layers.linear import Linear
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding
+from worker.models.hf_config import ArchConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype)
+        self.o_proj = Linear(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        c = self.cfg
+        qkv = self.qkv_proj(x, batch.lora)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)        # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, c.num_kv_heads, c.head_dim)     # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        out = self.attn(q, k, v, kv_cache, batch)
+        return self.o_proj(out.reshape(-1, c.q_size), batch.lora)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [i, i], cfg.mlp_bias, dtype)
+        self.down_proj = Linear(i, [cfg.hidden_size], cfg.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, batch.lora)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h: torch.Tensor, kv_cache, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), kv_cache, batch)
+        return h + self.mlp(self.post_attention_layernorm(h), batch)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our parameter, output slice); everything else maps one to one
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # LoRA target module -> (our projection, slice)
+    lora_targets = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                    "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                    "down_proj": ("down_proj", 0)}
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype,
+                              self.embed_tokens if cfg.tie_word_embeddings else None)
+
+    def projection(self, layer: int, name: str) -> Linear:
+        """Our fused projection `name` (qkv_proj, o_proj, gate_up_proj, down_proj) of a layer."""
+        block = self.layers[layer]
+        return getattr(block.self_attn if name in ("qkv_proj", "o_proj") else block.mlp, name)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Returns logits [num_sampled, vocab] (float32) for batch.logits_indices."""
+        h = self.embed_tokens(batch.input_ids)                     # [num_tokens, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, kv_cache, batch)
+        h = self.norm(h[batch.logits_indices])                     # [num_sampled, hidden]
+        return self.lm_head(h).float()

@@ -1,0 +1,38 @@
+"""Architecture name -> model class, and building a model from a directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.models.dummy import init_dummy_weights
+from worker.models.hf_config import ArchConfig
+from worker.models.llama import LlamaForCausalLM
+from worker.models.weight_loader import load_weights
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
+                max_positions: int, seed: int = 0) -> nn.Module:
+    cfg = ArchConfig.from_dir(path)
+    cls = MODEL_CLASSES.get(cfg.architecture)
+    if cls is None:
+        raise ValueError(f"Model architecture {cfg.architecture!r} is not supported; "
+                         f"supported architectures: {sorted(MODEL_CLASSES)}")
+    with torch.device(device):
+        model = cls(cfg, dtype, max_positions)
+    with torch.no_grad():
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        elif load_format == "auto":
+            load_weights(model, Path(path))
+        else:
+            raise ValueError(f"--load-format {load_format!r} is not supported (auto, dummy)")
+    return model.eval()

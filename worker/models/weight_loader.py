@@ -1,0 +1,74 @@
+"""Checkpoint loading: safetensors files (single, or sharded with an index) into our fused modules."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    """Fill every parameter of `model` from the checkpoint; q/k/v and gate/up go into fused slices."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in iter_checkpoint(model_dir):
+        target = _our_name(model, hf_name)
+        if target is None:
+            continue
+        name, shard = target
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
+        module_name, _, param = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        tensor = tensor.to(params[name].dtype)
+        if hasattr(module, "load_shard"):
+            module.load_shard(param, shard, tensor)
+        else:
+            _copy(params[name], tensor, hf_name)
+        loaded.add(name)
+    tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
+    missing = set(params) - loaded - tied
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    logger.info("loaded %d tensors from %s", len(loaded), model_dir)
+
+
+def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None] | None:
+    """'model.layers.0.self_attn.k_proj.weight' -> ('layers.0.self_attn.qkv_proj.weight', 1)."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    name = hf_name.removeprefix("model.")
+    for ckpt, (ours, shard) in model.stacked_params.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{ours}."), shard
+    return name, None
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+    param.copy_(tensor)

@@ -1,0 +1,80 @@
+"""A generation request as the scheduler sees it: tokens, progress, KV blocks, adapter."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from worker.ipc.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # not admitted yet, or preempted (its KV is recomputed on readmission)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which adapter version a request runs with. `uid` changes on every (re)load of a name,
+    so requests admitted before a reload keep the old weights."""
+    name: str
+    uid: int
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_seq: int                          # FCFS order; smaller arrived earlier
+    adapter: AdapterRef | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0              # tokens whose K/V sit in the cache
+    block_ids: list[int] = field(default_factory=list)   # owned by the scheduler's block allocator
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_preemptions: int = 0
+    num_adapter_bypasses: int = 0             # times a later request was admitted ahead of this one
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def check_stop(self) -> bool:
+        """After a token was appended: decide whether the request ends, and why."""
+        n_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= self.params.min_tokens:
+            if last in self.params.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", last
+                return True
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.finish_reason = "stop"
+                return True
+        if n_out >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,216 @@
+"""Continuous batching with chunked prefill, KV-block accounting and LoRA-slot admission.
+
+One engine step: `batch = schedule()`, the runner computes `batch`, `update(batch, sampled)`.
+Decisions (order, preemption victim, bypass rule) are in policy.py; this file does the mechanics.
+
+Invariant: a RUNNING request owns KV blocks covering its computed tokens and, when it has an
+adapter, one reference on that adapter's slot; WAITING and FINISHED requests own neither.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+from worker.batch import ScheduledBatch, ScheduledSeq
+from worker.config import LoRAConfig, SchedulerConfig
+from worker.kv_cache.block_allocator import BlockAllocator
+from worker.lora.slot_table import SlotTable
+from worker.request import Request, RequestStatus
+from worker.scheduler import policy
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, lora_config: LoRAConfig,
+                 block_allocator: BlockAllocator, slot_table: SlotTable):
+        if slot_table.num_slots != lora_config.max_loras:
+            raise ValueError(f"slot table has {slot_table.num_slots} slots but max_loras is "
+                             f"{lora_config.max_loras}")
+        self.config = scheduler_config
+        self.blocks = block_allocator
+        self.slots = slot_table
+        self.waiting: list[Request] = []   # policy.waiting_key order; read-only outside this class
+        self.running: list[Request] = []   # policy.running_key order (oldest first); read-only outside
+        self._unfinished: dict[str, Request] = {}
+        self._rejected: list[Request] = []  # ended with "error" in schedule(); next update() returns them
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._unfinished.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._unfinished:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        assert request.num_tokens > 0, "a request needs at least one prompt token"
+        request.status = RequestStatus.WAITING
+        self._unfinished[request.request_id] = request
+        bisect.insort(self.waiting, request, key=policy.waiting_key)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request now with "abort", giving back its blocks and slot reference."""
+        request = self._unfinished.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.finish_reason = "abort"
+        self._finish(request)
+        return request
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's tokens: running requests first, then admissions from the queue.
+
+        A request whose tokens could never fit the whole KV pool finishes with "error"; it is
+        returned by the next `update()`, which must therefore follow every `schedule()`, also
+        when the batch is empty.
+        """
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:   # memory is short: readmitting now would only churn
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
+        """Record a computed step. `sampled_token_ids` has one token per sampling seq, in batch order.
+
+        Returns the requests that got a token or finished; seqs of requests aborted since
+        `schedule()` are skipped.
+        """
+        samples = [seq.samples for seq in batch.seqs]
+        assert len(sampled_token_ids) == sum(samples), "one sampled token per sampling seq"
+        changed, self._rejected = self._rejected, []
+        tokens = iter(sampled_token_ids)
+        for seq, sampled in zip(batch.seqs, samples):
+            token = next(tokens) if sampled else None
+            request = seq.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += seq.num_new_tokens
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            if request.check_stop():
+                self._finish(request)
+            changed.append(request)
+        return changed
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Give each running request, oldest first, its remaining tokens; returns the budget left."""
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue   # preempted for an older request in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._grow_or_preempt(request, num_new, batch):
+                break      # it preempted itself, so it was the newest: nothing is left
+            batch.seqs.append(self._seq(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _grow_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Cover `num_new` more tokens with blocks, preempting newest requests until they fit.
+
+        False when `request` itself had to be preempted.
+        """
+        need = self._blocks_to_add(request, num_new)
+        while not self.blocks.can_allocate(need):
+            victim = policy.preemption_victim(self.running)
+            self._preempt(victim, batch)
+            if victim is request:
+                return False
+        request.block_ids += self.blocks.allocate(need)
+        return True
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting requests FCFS; ones without a slot are skipped, memory shortage stops."""
+        skipped: list[Request] = []   # waiting for an adapter slot; later requests overtake them
+        for request in self.waiting:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._never_fits(request):
+                self._reject(request)
+                continue
+            if request.adapter is not None and not self._may_take_slot(request, skipped):
+                skipped.append(request)
+                continue
+            num_new = min(request.num_tokens, budget)
+            need = self.blocks.blocks_needed(num_new)
+            if not self.blocks.can_allocate(need):
+                break      # strict FCFS for memory
+            self._admit(request, need, batch)
+            policy.record_overtake(skipped)
+            batch.seqs.append(self._seq(request, num_new))
+            budget -= num_new
+        self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+
+    def _may_take_slot(self, request: Request, skipped: list[Request]) -> bool:
+        return (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses)
+                and self.slots.can_acquire(request.adapter))
+
+    def _admit(self, request: Request, num_blocks: int, batch: ScheduledBatch) -> None:
+        """WAITING -> RUNNING: take blocks and a slot reference (both checked by the caller)."""
+        if request.adapter is not None:
+            slot, needs_load = self.slots.acquire(request.adapter)
+            if needs_load:
+                batch.adapter_loads.append((request.adapter, slot))
+        request.block_ids = self.blocks.allocate(num_blocks)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=policy.running_key)
+
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        """RUNNING -> WAITING by recompute: its KV is dropped and rebuilt on readmission."""
+        logger.debug("preempting request %s (%d computed tokens)", request.request_id,
+                     request.num_computed_tokens)
+        self._give_back(request)
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=policy.waiting_key)
+        batch.preempted.append(request)
+
+    def _reject(self, request: Request) -> None:
+        """A WAITING request too long for the whole pool ends with "error"; caller drops it from waiting."""
+        logger.warning("request %s needs %d KV blocks but the pool has %d; finishing it with an error",
+                       request.request_id, self.blocks.blocks_needed(request.num_tokens),
+                       self.blocks.num_blocks)
+        request.finish_reason = "error"
+        self._finish(request)
+        self._rejected.append(request)
+
+    def _finish(self, request: Request) -> None:
+        """Any status -> FINISHED; the caller has set finish_reason and removed it from waiting."""
+        if request.status is RequestStatus.RUNNING:
+            self._give_back(request)
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        del self._unfinished[request.request_id]
+
+    def _give_back(self, request: Request) -> None:
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        if request.adapter is not None:
+            self.slots.release(request.adapter)
+
+    def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        slot = -1 if request.adapter is None else self.slots.slot_of(request.adapter)
+        return ScheduledSeq(request, request.num_computed_tokens, num_new, slot)
+
+    def _blocks_to_add(self, request: Request, num_new: int) -> int:
+        covered = self.blocks.blocks_needed(request.num_computed_tokens + num_new)
+        return max(0, covered - len(request.block_ids))
+
+    def _never_fits(self, request: Request) -> bool:
+        return self.blocks.blocks_needed(request.num_tokens) > self.blocks.num_blocks
