@@ -76,7 +76,10 @@ class ForwardBatch:
     query_start_loc: "torch.Tensor"  # [num_seqs + 1] int32; token offsets of sequences
     seq_lens: "torch.Tensor"        # [num_seqs] int32; context length after this step
     block_tables: "torch.Tensor"    # [num_seqs, max_blocks_per_seq] int32; -1 padded
-    logits_indices: "torch.Tensor"  # [num_sampled] int64; token rows whose logits are sampled
+    logits_indices: "torch.Tensor"  # [num_logits] int64; token rows whose logits are computed
+    sample_rows: list[int] = field(default_factory=list)  # rows of the logits that are sampled, batch order
+    prompt_rows: list[tuple[int, range]] = field(default_factory=list)  # (seq index, prompt positions) per
+    # sequence scoring prompt tokens; their logits rows follow one another, before the sample rows
     lora: LoRABatchInfo | None = None
     # host copies for reference paths that loop on the CPU (never read on the GPU fast path)
     query_start_loc_host: list[int] = field(default_factory=list)

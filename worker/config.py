@@ -47,3 +47,4 @@ class WorkerConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"          # auto | cpu | cuda
+    enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)

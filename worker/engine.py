@@ -146,12 +146,14 @@ class Engine:
         batch = self.scheduler.schedule()
         for ref, slot in batch.adapter_loads:
             self.runner.load_adapter(slot, self._adapters[ref.uid])
-        result = self.runner.execute(batch) if not batch.is_empty else None
-        updated = self.scheduler.update(batch, result.token_ids if result else [])
-        logprobs = {}
-        if result is not None:
-            sampling = (s.request.request_id for s in batch.seqs if s.samples)
-            logprobs = dict(zip(sampling, result.logprobs))
+        logprobs, token_ids = {}, []
+        if not batch.is_empty:
+            result = self.runner.execute(batch)
+            for request_id, scored in result.prompt_logprobs.items():
+                self._requests[request_id].prompt_logprobs += scored
+            sampling = [s.request.request_id for s in batch.seqs if s.samples]
+            logprobs, token_ids = dict(zip(sampling, result.logprobs)), result.token_ids
+        updated = self.scheduler.update(batch, token_ids)
         outputs = [self._output(request, logprobs) for request in updated]
         for request in updated:
             if request.is_finished:
@@ -165,9 +167,12 @@ class Engine:
                                  error=f"The request needs more KV-cache blocks than the pool has "
                                        f"({self.num_kv_blocks} blocks of {self.config.cache.block_size} tokens).")
         lp = logprobs.get(request.request_id)
+        first = len(request.output_token_ids) == 1
+        prompt_lps = [None, *request.prompt_logprobs] if first and request.params.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, [request.output_token_ids[-1]],
-                             new_logprobs=None if lp is None else [lp], finish_reason=request.finish_reason,
-                             stop_reason=request.stop_reason, num_prompt_tokens=request.num_prompt_tokens)
+                             new_logprobs=None if lp is None else [lp], prompt_logprobs=prompt_lps,
+                             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                             num_prompt_tokens=request.num_prompt_tokens)
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)

@@ -38,6 +38,14 @@ class Request:
     stop_reason: int | None = None
     num_preemptions: int = 0
     num_adapter_bypasses: int = 0             # times a later request was admitted ahead of this one
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token from the 2nd on
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits score a not-yet-scored prompt token (position p scores
+        token p + 1). Empty unless prompt logprobs were asked for; recomputation never scores twice."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, self.num_prompt_tokens - 1))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -206,3 +206,24 @@ def test_load_inplace_keeps_in_flight_requests_on_the_old_weights(llama):
     outs = run_all(engine)
     assert tokens_of(outs["old"])[-6:] == expected["r4-qv"][-6:]
     assert tokens_of(outs["new"]) == expected["r8-all"]
+
+
+@pytest.mark.parametrize("chunk", [2048, 8])
+def test_prompt_logprobs_score_each_prompt_token_once(llama, chunk):
+    """Prompt logprobs equal log_softmax of HF's logits at the previous position, also when chunked."""
+    from transformers import AutoModelForCausalLM
+    tokens = prompt(21, seed=5)
+    engine = make_engine(llama, max_num_batched_tokens=chunk)
+    engine.add_request("a", tokens, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                                   prompt_logprobs=3))
+    outs = run_all(engine)["a"]
+    scored = outs[0].prompt_logprobs
+    assert scored[0] is None and len(scored) == len(tokens) and outs[1].prompt_logprobs is None
+    model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)   # [n, vocab]
+    for p, lp in enumerate(scored[1:]):
+        assert lp.token_id == tokens[p + 1]
+        assert lp.logprob == pytest.approx(ref[p, tokens[p + 1]].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == ref[p].topk(3).indices.tolist()
+        assert lp.rank == int((ref[p] > ref[p, tokens[p + 1]]).sum()) + 1

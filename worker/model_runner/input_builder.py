@@ -21,7 +21,7 @@ class InputBuilder:
         shapes = {"input_ids": ([max_num_tokens], i64), "positions": ([max_num_tokens], i64),
                   "slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
                   "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
-                  "logits_indices": ([max_num_seqs], i64), "seg_indptr": ([max_num_seqs + 1], i32),
+                  "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_seqs + 1], i32),
                   "weight_indices": ([max_num_seqs], i32)}
         self.host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
         self.dev = ({k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
@@ -30,7 +30,8 @@ class InputBuilder:
 
     def build(self, batch: ScheduledBatch) -> ForwardBatch:
         h = self.host
-        ids, pos, slots, qsl, lens, logits_idx = [], [], [], [0], [], []
+        ids, pos, slots, qsl, lens, prompt_idx, sample_idx = [], [], [], [0], [], [], []
+        prompt_rows = []
         h["block_tables"].fill_(-1)
         for i, seq in enumerate(batch.seqs):
             end = seq.start + seq.num_new_tokens
@@ -42,8 +43,13 @@ class InputBuilder:
             qsl.append(qsl[-1] + seq.num_new_tokens)
             lens.append(end)
             h["block_tables"][i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            scored = seq.request.prompt_logprob_positions(seq.start, end)
+            if scored:
+                prompt_rows.append((i, scored))
+                prompt_idx += [qsl[-2] + p - seq.start for p in scored]
             if seq.samples:
-                logits_idx.append(qsl[-1] - 1)
+                sample_idx.append(qsl[-1] - 1)
+        logits_idx = prompt_idx + sample_idx
         n_tok, n_seq = qsl[-1], len(batch.seqs)
         for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
                              ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx)):
@@ -56,6 +62,7 @@ class InputBuilder:
             slot_mapping=d["slot_mapping"][:n_tok], query_start_loc=d["query_start_loc"][:n_seq + 1],
             seq_lens=d["seq_lens"][:n_seq], block_tables=d["block_tables"][:n_seq],
             logits_indices=d["logits_indices"][:len(logits_idx)], lora=lora,
+            sample_rows=list(range(len(prompt_idx), len(logits_idx))), prompt_rows=prompt_rows,
             query_start_loc_host=qsl, seq_lens_host=lens)
 
     def _build_lora(self, batch: ScheduledBatch) -> LoRABatchInfo | None:

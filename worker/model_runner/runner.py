@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +13,7 @@ from worker.kv_cache.kv_pool import KVPool
 from worker.lora.adapter import LoRAAdapter
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.model_runner.input_builder import InputBuilder
-from worker.model_runner.sampler import Sampler, SamplingRow
+from worker.model_runner.sampler import Sampler, SamplingRow, compute_logprobs
 from worker.models.hf_config import ArchConfig
 from worker.models.registry import build_model
 
@@ -25,6 +25,7 @@ class ModelOutput:
     token_ids: list[int]                   # one per sampling sequence, in batch order
     logprobs: list[TokenLogprob | None]    # likewise
     logits: torch.Tensor                   # [num_sampling_seqs, vocab] float32 (tests compare it)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # request id -> this step's
 
 
 class ModelRunner:
@@ -52,10 +53,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         forward_batch = self.input_builder.build(batch)
-        logits = self.model(forward_batch, self.kv_pool.caches)    # [num_sampling_seqs, vocab]
+        logits = self.model(forward_batch, self.kv_pool.caches)    # [num_logits, vocab]
+        prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
+        if forward_batch.prompt_rows:
+            logits = logits[len(logits) - len(forward_batch.sample_rows):]   # [num_sampling_seqs, vocab]
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
                 for s in batch.seqs if s.samples]
         if not rows:
-            return ModelOutput([], [], logits)
+            return ModelOutput([], [], logits, prompt_logprobs)
         out = self.sampler(logits, rows)
-        return ModelOutput(out.token_ids.tolist(), out.logprobs, logits)
+        return ModelOutput(out.token_ids.tolist(), out.logprobs, logits, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(batch: ScheduledBatch, prompt_rows, logits: torch.Tensor) -> dict:
+        """Logprobs of prompt tokens: the logits row of position p scores prompt token p + 1."""
+        result, row = {}, 0
+        for seq_index, positions in prompt_rows:
+            request = batch.seqs[seq_index].request
+            scored = [request.prompt_token_ids[p + 1] for p in positions]
+            rows = logits[row:row + len(positions)]
+            result[request.request_id] = compute_logprobs(rows, scored, request.params.prompt_logprobs)
+            row += len(positions)
+        return result

@@ -1,0 +1,110 @@
+"""Command line: `loraplex serve --model DIR ...` (vLLM's flag names) and `loraplex demo`.
+
+Also `python -m gateway serve ...`. `demo` builds the embedded demo once (in a subprocess running
+`python -m worker.demo`, which prints its paths as JSON) and serves it with its adapters.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from gateway.config import GatewayConfig, LoRAModule, parse_lora_module
+from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+
+logger = logging.getLogger("gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="One base LLM, many LoRA adapters, "
+                                     "an OpenAI-compatible API that speaks as vLLM does.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model directory")
+    serve.add_argument("model_tag", nargs="?", help="the model directory (same as --model)")
+    serve.add_argument("--model", help="Hugging Face model directory: config.json, weights, tokenizer")
+    _add_serving_args(serve)
+    demo = commands.add_parser("demo", help="build (once) and serve the embedded demo model and adapters")
+    demo.add_argument("--cache-dir", help="where the demo is built; default: worker.demo's own default")
+    _add_serving_args(demo)
+    return parser
+
+
+def _add_serving_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--tokenizer", help="tokenizer directory; default: the model directory")
+    add("--served-model-name", nargs="+", help="names clients use for the base model; default: --model")
+    add("--lora-modules", nargs="+", action="extend", type=parse_lora_module, metavar="MODULE",
+        help="adapters loaded at startup: name=path, or JSON "
+             '\'{"name": "..", "path": "..", "base_model_name": "..", "pinned": true}\'')
+    add("--lora-dir", action="append", help="a directory runtime adapter loads may read from (repeatable); "
+                                            "without any, runtime loads may read any path")
+    add("--enable-lora", action="store_true", help="accepted for vLLM compatibility; LoRA is always enabled")
+    add("--max-loras", type=int, default=LoRAConfig.max_loras, help="adapters resident on the GPU at once")
+    add("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras, help="adapters cached in host memory")
+    add("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank)
+    add("--max-model-len", type=int, default=ModelConfig.max_model_len, help="default: from config.json")
+    add("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    add("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    add("--max-logprobs", type=int, default=20)
+    add("--block-size", type=int, default=CacheConfig.block_size)
+    add("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "half", "float"), default="auto")
+    add("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
+    add("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add("--seed", type=int, default=ModelConfig.seed)
+    add("--host", help="default: all interfaces")
+    add("--port", type=int, default=8000)
+    add("--api-key", default=os.environ.get("VLLM_API_KEY"),
+        help="require `Authorization: Bearer <key>` on /v1 (default: $VLLM_API_KEY)")
+    add("--uvicorn-log-level", default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        _use_demo_assets(args)
+    else:
+        args.model = args.model or args.model_tag
+        if not args.model:
+            parser.error("serve needs a model: `loraplex serve --model DIR`")
+    args.dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    serve(GatewayConfig.from_args(args))
+
+
+def serve(config: GatewayConfig) -> None:
+    """Run the HTTP server until interrupted; exits non-zero if the worker fails to start."""
+    import uvicorn
+
+    from gateway.app import build_app
+    from gateway.worker_client import WorkerClient
+
+    try:
+        app = build_app(config, WorkerClient(config.worker_config()))
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level)
+
+
+def _use_demo_assets(args: argparse.Namespace) -> None:
+    """Build the demo in a subprocess and point `args` at it: model, name, adapters."""
+    command = [sys.executable, "-m", "worker.demo"] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+    logger.info("Preparing the demo model (built once, then reused)")
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        sys.exit(f"Building the demo failed: `{' '.join(command)}` exited with {done.returncode}")
+    assets = json.loads(done.stdout.strip().splitlines()[-1])
+    args.model = assets["model_dir"]
+    args.served_model_name = args.served_model_name or [assets["served_model_name"]]
+    demo_modules = [LoRAModule(name, path) for name, path in assets["adapters"].items()]
+    args.lora_modules = demo_modules + (args.lora_modules or [])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Names the gateway serves: the base model's names and the adapters loaded on top of it.
+
+A request's `model` is a served base name (no adapter), an adapter name, or `base:adapter`.
+The registry also writes vLLM's model cards for /v1/models, with each adapter's lineage
+(root = its path, parent = its base model).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.protocol import model_not_found
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: str
+    base_model_name: str                   # one of the served base names
+    pinned: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class AdapterRegistry:
+    def __init__(self, served_names: tuple[str, ...], model_path: str):
+        self.served_names = served_names
+        self.model_path = model_path
+        self.created = int(time.time())
+        self._adapters: dict[str, Adapter] = {}
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    @property
+    def base_name(self) -> str:
+        return self.served_names[0]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._adapters
+
+    def add(self, name: str, path: str, base_model_name: str | None = None, pinned: bool = False) -> None:
+        base = base_model_name if base_model_name in self.served_names else self.base_name
+        self._adapters[name] = Adapter(name, path, base, pinned)
+
+    def remove(self, name: str) -> None:
+        del self._adapters[name]
+
+    def lock(self, name: str) -> asyncio.Lock:
+        """Serialises loads and unloads of one adapter name."""
+        return self._locks[name]
+
+    def resolve(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names, None for the base model; 404 for an unknown name."""
+        if not model or model in self.served_names:
+            return None
+        if model in self._adapters:
+            return model
+        for base in self.served_names:
+            adapter = model.removeprefix(base + ":")
+            if adapter != model and adapter in self._adapters:
+                return adapter
+        raise model_not_found(model)
+
+    def cards(self, max_model_len: int) -> list[dict[str, Any]]:
+        base_cards = [_card(name, self.created, self.model_path, None, max_model_len)
+                      for name in self.served_names]
+        return base_cards + [_card(a.name, a.created, a.path, a.base_model_name, None)
+                             for a in self._adapters.values()]
+
+    def card(self, model: str, max_model_len: int) -> dict[str, Any]:
+        """The card of a base name or an adapter name; 404 otherwise."""
+        for card in self.cards(max_model_len):
+            if card["id"] == model:
+                return card
+        raise model_not_found(model)
+
+
+def _card(model_id: str, created: int, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+            "parent": parent, "max_model_len": max_model_len, "permission": [_permission()]}
+
+
+def _permission() -> dict[str, Any]:
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}

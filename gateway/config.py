@@ -1,0 +1,98 @@
+"""Frozen configuration of the gateway, and its translation into the worker's configuration."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One `--lora-modules` entry: an adapter loaded at startup."""
+    name: str
+    path: str
+    base_model_name: str | None = None
+    pinned: bool = False        # never evicted from the host cache
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """`name=path`, or vLLM's JSON form `{"name": .., "path": .., "base_model_name": .., "pinned": ..}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+            return LoRAModule(str(data["name"]), str(data["path"]), data.get("base_model_name"),
+                              bool(data.get("pinned", False)))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise argparse.ArgumentTypeError(
+                f"Invalid JSON format for --lora-modules: {text} ({e}); expected "
+                '{"name": "...", "path": "...", "base_model_name": "...", "pinned": false}') from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(
+            f"Invalid format for --lora-modules: {text}; expected 'name=path' or a JSON object.")
+    return LoRAModule(name, path)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str                                     # model directory (config.json, weights, tokenizer)
+    tokenizer: str | None = None                   # tokenizer directory; None: the model directory
+    served_model_names: tuple[str, ...] = ()       # empty: the model path is the name
+    lora_modules: tuple[LoRAModule, ...] = ()
+    lora_dirs: tuple[str, ...] = ()                # where runtime loads may read; empty: anywhere
+    max_loras: int = LoRAConfig.max_loras
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_model_len: int | None = ModelConfig.max_model_len
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    block_size: int = CacheConfig.block_size
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    max_logprobs: int = 20
+    device: str = "auto"
+    dtype: str = ModelConfig.dtype
+    load_format: str = ModelConfig.load_format
+    enforce_eager: bool = False
+    seed: int = ModelConfig.seed
+    host: str | None = None
+    port: int = 8000
+    api_key: str | None = None
+    uvicorn_log_level: str = "info"
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            model=ModelConfig(path=self.model, dtype=self.dtype, load_format=self.load_format,
+                              max_model_len=self.max_model_len, seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization),
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens),
+            device=self.device,
+            enforce_eager=self.enforce_eager,
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        return cls(
+            model=args.model, tokenizer=args.tokenizer,
+            served_model_names=tuple(args.served_model_name or ()),
+            lora_modules=tuple(args.lora_modules or ()), lora_dirs=tuple(args.lora_dir or ()),
+            max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
+            device=args.device, dtype=args.dtype, load_format=args.load_format,
+            enforce_eager=args.enforce_eager, seed=args.seed, host=args.host, port=args.port,
+            api_key=args.api_key, uvicorn_log_level=args.uvicorn_log_level,
+        )

@@ -1,0 +1,135 @@
+"""POST /v1/chat/completions: the chat template renders the messages into one prompt, sampled n times.
+
+Streams as vLLM does: a first chunk per choice with only the role, then content deltas, the finish
+reason on the last delta, and with include_usage a final chunk of usage and no choices.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.protocol import APIError, ChatCompletionRequest, decode_body, resolve_max_tokens
+from gateway.routes.completions import collect_choices, prompt_logprobs_field, usage
+from gateway.sse import cancel_on_disconnect, json_response, merge, sse_response
+from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
+from worker.ipc.messages import TokenLogprob
+
+if TYPE_CHECKING:
+    from gateway.app import ServingContext
+
+
+async def create_chat_completion(request: Request) -> Response:
+    server: ServingContext = request.app.state.server
+    body = decode_body(await request.body(), ChatCompletionRequest)
+    lora_name = server.models.resolve(body.model)
+    body.validate_sampling(server.config.max_logprobs, body.num_logprobs)
+    prompt_ids = render_chat(server, body.messages, body.add_generation_prompt, body.add_special_tokens,
+                             body.chat_template_kwargs)
+    requested, param = body.max_output_tokens
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), server.max_model_len, param)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = []
+    for index in range(body.n):
+        params = body.sampling_params(max_tokens, body.num_logprobs, body.prompt_logprobs, index)
+        detokenizer = IncrementalDetokenizer(server.tokenizer, prompt_ids, stop=body.stop_strings,
+                                             skip_special_tokens=body.skip_special_tokens,
+                                             include_stop_str_in_output=body.include_stop_str_in_output)
+        streams.append(server.generate(f"{response_id}-{index}", prompt_ids, params, lora_name, detokenizer))
+    deltas = merge(streams)
+    header = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+              "model": body.model or server.models.base_name}
+    role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+    if body.stream:
+        header["object"] = "chat.completion.chunk"
+        return sse_response(_chunks(server.tokenizer, body, prompt_ids, role, deltas, header))
+    choices = await cancel_on_disconnect(request, collect_choices(deltas, body.n))
+    if choices is None:
+        return Response(status_code=499)
+    return json_response(_response(server.tokenizer, body, prompt_ids, role, choices, header))
+
+
+def render_chat(server: ServingContext, messages: list, add_generation_prompt: bool, add_special_tokens: bool,
+                template_kwargs: dict[str, Any] | None) -> list[int]:
+    """Prompt token ids of a conversation, through the tokenizer's chat template."""
+    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in messages]
+    text = server.tokenizer.apply_chat_template(conversation, add_generation_prompt, **(template_kwargs or {}))
+    return server.encode_prompt(text, add_special_tokens)
+
+
+def _response(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids: list[int], role: str,
+              choices: list[Delta], header: dict[str, Any]) -> dict[str, Any]:
+    failed = next((c for c in choices if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(failed.error or "The request failed in the worker.", 500)
+    out = [{"index": index, "message": {"role": role, "content": choice.text},
+            "logprobs": _logprobs(tokenizer, body, choice),
+            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+            "token_ids": choice.token_ids if body.return_token_ids else None}
+           for index, choice in enumerate(choices)]
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    prompt_logprobs = prompt_logprobs_field(tokenizer, choices[0]) if body.prompt_logprobs is not None else None
+    return {**header, "choices": out, "usage": usage(len(prompt_ids), completion_tokens),
+            "prompt_logprobs": prompt_logprobs, "prompt_token_ids": prompt_ids if body.return_token_ids else None}
+
+
+async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids: list[int], role: str,
+                  deltas: AsyncIterator[tuple[int, Delta]], header: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    for index in range(body.n):
+        chunk = {**header, "choices": [{"index": index, "delta": {"role": role, "content": ""},
+                                        "logprobs": None, "finish_reason": None}]}
+        if body.return_token_ids and index == 0:
+            chunk["prompt_token_ids"] = prompt_ids
+        if body.continuous_usage:
+            chunk["usage"] = usage(len(prompt_ids), 0)
+        yield chunk
+    generated = [0] * body.n
+    async for index, delta in deltas:
+        generated[index] += len(delta.token_ids)
+        if delta.finish_reason == "error":
+            raise APIError(delta.error or "The request failed in the worker.", 500)
+        logprobs = _logprobs(tokenizer, body, delta)
+        if not (delta.text or (logprobs and logprobs["content"]) or delta.finish_reason or body.return_token_ids):
+            continue
+        choice = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                  "finish_reason": delta.finish_reason}
+        if delta.finish_reason is not None:
+            choice["stop_reason"] = delta.stop_reason
+        if body.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        chunk = {**header, "choices": [choice]}
+        if body.continuous_usage:
+            chunk["usage"] = usage(len(prompt_ids), generated[index])
+        yield chunk
+    if body.include_usage:
+        yield {**header, "choices": [], "usage": usage(len(prompt_ids), sum(generated))}
+
+
+def _logprobs(tokenizer: Tokenizer, body: ChatCompletionRequest, choice: Delta) -> dict[str, Any] | None:
+    if not body.logprobs:
+        return None
+    return chat_logprobs(tokenizer, choice.token_ids, choice.logprobs or [], body.top_logprobs or 0,
+                         bool(body.return_tokens_as_token_ids))
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: list[TokenLogprob], num_top: int,
+                  as_token_ids: bool) -> dict[str, Any]:
+    """The chat API's logprobs: content[{token, logprob, bytes, top_logprobs[{token, logprob, bytes}]}]."""
+    name = (lambda t: f"token_id:{t}") if as_token_ids else tokenizer.token_text
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        token = name(token_id)
+        return {"token": token, "logprob": max(logprob, -9999.0),
+                "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    return {"content": [{**item(token_id, entry.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in entry.top[:num_top]]}
+                        for token_id, entry in zip(token_ids, entries)]}
+
+
+routes = [Route("/v1/chat/completions", create_chat_completion, methods=["POST"])]

@@ -1,0 +1,38 @@
+"""GET /health (200 empty, 503 once the worker is gone), /version and /metrics."""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.sse import json_response
+
+if TYPE_CHECKING:
+    from gateway.app import ServingContext
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+async def health(request: Request) -> Response:
+    server: ServingContext = request.app.state.server
+    return Response(status_code=200 if server.client.healthy else 503)
+
+
+async def show_version(request: Request) -> Response:
+    try:
+        current = version("loraplex")
+    except PackageNotFoundError:
+        current = "unknown"
+    return json_response({"version": current})
+
+
+async def metrics(request: Request) -> Response:
+    server: ServingContext = request.app.state.server
+    return Response(server.metrics.render(server.client.stats), media_type=PROMETHEUS_TEXT)
+
+
+routes = [Route("/health", health, methods=["GET"]), Route("/version", show_version, methods=["GET"]),
+          Route("/metrics", metrics, methods=["GET"])]

@@ -1,0 +1,110 @@
+"""Answering the client: JSON bodies, Server-Sent Events, merged choice streams, disconnects.
+
+A stream is `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`. An error after the stream
+has started is sent as one `data: {"error": {...}}` event before [DONE]. When the client goes away,
+sse-starlette cancels the generator; the cancellation reaches every worker stream underneath, whose
+cleanup (closing WorkerClient.generate(), which aborts the request in the worker) runs shielded.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+import anyio
+import msgspec
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+_END = object()
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(content), status_code, media_type="application/json")
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
+    """Stream `chunks` as SSE events, then [DONE]."""
+    return EventSourceResponse(_events(chunks), sep="\n")
+
+
+async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async with aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield event(chunk)
+        except APIError as e:
+            yield event(e.body())
+        except Exception as e:
+            logger.exception("Streaming failed")
+            yield event(APIError(str(e), 500).body())
+    yield DONE
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(stream index, item) for the items of all `streams` as they arrive; closing it closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(i, stream, queue)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(index: int, stream: AsyncIterator[T], queue: asyncio.Queue[Any]) -> None:
+    try:
+        async with aclosing(stream):
+            async for item in stream:
+                queue.put_nowait((index, item))
+    except Exception as e:
+        queue.put_nowait(e)
+    finally:
+        queue.put_nowait(_END)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work` (a non-streaming response); None if the client disconnected first, cancelling it."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work_task, return_exceptions=True)
+    return None if work_task.cancelled() else work_task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

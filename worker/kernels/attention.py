@@ -1,0 +1,226 @@
+"""Triton paged attention over the KV pool (prefill, extend and decode in one kernel) and the K/V store.
+
+Every metadata tensor is read on the device; the launch grid depends only on host ints (num_seqs,
+max_query_len, tensor shapes), so both functions are safe inside a CUDA graph and never sync.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+MAX_KV_SPLITS = 16
+MASKED: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so a row that sees no key never does inf - inf
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2,
+        stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, num_heads,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    """Semantics: program (i, g, t * NUM_SPLITS + s) handles query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of
+    sequence i, all GROUP query heads h of KV head g, and split s of the keys they see:
+        n = query_start_loc[i+1] - query_start_loc[i]; L = seq_lens[i]
+        for token j < n at context position p = L - n + j, head h in [g*GROUP, (g+1)*GROUP):
+            key position c in [0, p] lives at k_cache[block_tables[i, c // BLOCK_SIZE], c % BLOCK_SIZE, g]
+            out[query_start_loc[i] + j, h] = softmax_c(scale * q[., h] . k[c]) @ v[c]      (fp32 online softmax)
+    Rows of the M tile are (token, head) pairs: row r = token (r // GROUP), head (r % GROUP), so K/V are
+    read once per KV head. With NUM_SPLITS > 1 (decode only: one token per sequence) split s covers
+    key positions [s*S, (s+1)*S), S = ceil(L / NUM_SPLITS) rounded up to BLOCK_N, and writes its unnormalised
+    accumulator, running max (log2 units) and sum to part_*[i, h, s] for _combine_splits_kernel.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len                                  # context positions cached before this step
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP                  # tok: [BLOCK_M] query index within the sequence
+    head = kv_head * GROUP + offs_m % GROUP                   # head: [BLOCK_M] query head
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = prefix + tok                                      # q_pos: [BLOCK_M] context position of each row
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    kv_end = prefix + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)   # keys past the tile's last row are unseen
+    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+
+    m_i = tl.full([BLOCK_M], MASKED, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_hi
+        block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
+        k = tl.load(k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2          # s: [BLOCK_M, BLOCK_N]
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = (seq * num_heads + head) * NUM_SPLITS + split                     # part: [BLOCK_M]
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
+                           stride_o_tok, stride_o_head, num_heads, HEAD_DIM: tl.constexpr,
+                           HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Semantics: for decode sequence i (one token t = query_start_loc[i]) and head h, with per-split
+    running max m_s, sum l_s and unnormalised accumulator a_s from _paged_attention_kernel:
+        w_s = 2^(m_s - max_s m_s);  out[t, h] = sum_s w_s * a_s / sum_s w_s * l_s
+    Sequences with no new token are skipped.
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == tok:
+        return
+    part = (seq * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)   # part: [NUM_SPLITS]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m = tl.load(part_max_ptr + part)
+    w = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(w * tl.load(part_sum_ptr + part), 0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :])   # acc: [NUM_SPLITS, D_PAD]
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    o_row = tok.to(tl.int64) * stride_o_tok + head * stride_o_head
+    tl.store(out_ptr + o_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_tok, stride_v_tok,
+                     stride_c_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    """Semantics: for token t with slot = slot_mapping[t] >= 0 (negative slots are padding, skipped):
+        k_cache.view(-1, ROW)[slot] = k[t].flatten();  v_cache.view(-1, ROW)[slot] = v[t].flatten()
+    where ROW = num_kv_heads * head_dim.
+    """
+    tok = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, ROW_PAD)
+    ok = offs < ROW
+    tl.store(k_cache_ptr + slot * stride_c_slot + offs, tl.load(k_ptr + tok * stride_k_tok + offs, mask=ok), mask=ok)
+    tl.store(v_cache_ptr + slot * stride_c_slot + offs, tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok), mask=ok)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the step's K/V into the pool, one launch for both; tokens with slot_mapping < 0 are skipped
+    (CUDA-graph padding). Same result as reference.store_kv for non-negative slots.
+
+    k, v: [num_tokens, num_kv_heads, head_dim] (heads and dim contiguous); k_cache, v_cache: contiguous
+    [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32/int64
+    """
+    row = k.shape[1] * k.shape[2]
+    assert k.stride(1) == k.shape[2] and k.stride(2) == 1 and v.stride(1) == v.shape[2] and v.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == k.dtype
+    if k.shape[0] == 0:
+        return
+    _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
+                                    ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_seqs: int,
+                    max_query_len: int, out: torch.Tensor | None = None,
+                    num_kv_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context; semantics of
+    reference.paged_attention, with the metadata as device tensors.
+
+    q: [num_tokens, num_heads, head_dim] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim]; block_tables: [>= num_seqs, max_blocks] int32; query_start_loc: [>= num_seqs + 1]
+    int32; seq_lens: [>= num_seqs] int32; out: like q, written and returned (allocated when None).
+    num_kv_splits: key splits per decode sequence (flash-decoding); None picks from the GPU's SM count.
+    Only used when max_query_len == 1.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
+    assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
+    assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the KV cache must share a dtype"
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    group = num_heads // num_kv_heads
+    splits = _num_kv_splits(num_seqs, num_kv_heads, q.device) if num_kv_splits is None else num_kv_splits
+    assert splits == 1 or max_query_len == 1, "KV splits are for decode batches (max_query_len == 1) only"
+    block_m, block_n, num_warps = _tile_config(max_query_len, group, q.device)
+    block_q = block_m // group
+    d_pad = triton.next_power_of_2(head_dim)
+    if splits > 1:
+        part_acc = torch.empty(num_seqs, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, block_tables, query_start_loc, seq_lens,
+        scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_heads,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
+    if splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits)
+    return out
+
+
+def _tile_config(max_query_len: int, group: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M rows of (token, head) pairs, BLOCK_N keys, num_warps); BLOCK_M holds at least one token."""
+    if device.type != "cuda":                       # interpreter: small tiles keep numpy work tiny
+        return max(16, triton.next_power_of_2(group)), 16, 4
+    if max_query_len * group <= 16:
+        return max(16, triton.next_power_of_2(group)), 64, 4
+    return max(64, triton.next_power_of_2(group)), 64, 4
+
+
+def _num_kv_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Enough key splits that a decode batch fills about two waves of the GPU's SMs (power of two)."""
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return min(MAX_KV_SPLITS, triton.next_power_of_2(math.ceil(target / programs)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
