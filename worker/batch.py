@@ -58,7 +58,8 @@ class LoRABatchInfo:
     seg_indptr: "torch.Tensor"      # [max_segments + 1] int32; token offsets of segments
     weight_indices: "torch.Tensor"  # [max_segments] int32; slot of each segment, -1 = base only
     ranks: "torch.Tensor"           # [max_loras] int32; rank of the adapter in each slot (0 = empty)
-    max_rank: int                   # max over slots used this step (host-side, for loop bounds)
+    max_rank: int                   # max over slots used this step (host-side; 0 skips LoRA entirely)
+    max_seg_len: int = 0            # longest segment (host-side; sizes the kernels' grids)
     # host copies for the reference path, which loops over segments on the CPU
     seg_indptr_host: list[int] = field(default_factory=list)
     weight_indices_host: list[int] = field(default_factory=list)
@@ -70,6 +71,7 @@ class ForwardBatch:
     """Tensors the model reads in one step; tokens of all sequences are flattened in batch order."""
     num_tokens: int
     num_seqs: int
+    max_query_len: int              # most new tokens of one sequence (host-side; sizes attention's grid)
     input_ids: "torch.Tensor"       # [num_tokens] int64
     positions: "torch.Tensor"       # [num_tokens] int64
     slot_mapping: "torch.Tensor"    # [num_tokens] int64; KV-pool slot (block * block_size + offset) per token

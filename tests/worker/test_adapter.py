@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.worker.conftest import ADAPTERS, adapter_dir
+from tests.hf_fixtures import ADAPTERS, adapter_dir
 from worker.config import LoRAConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError, load_adapter

@@ -6,7 +6,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.worker.conftest import ADAPTERS, adapter_dir
+from tests.hf_fixtures import ADAPTERS, adapter_dir
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams

@@ -18,6 +18,28 @@ MASKED: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so 
 
 
 @triton.jit
+def _attend_key_tile(acc, m_i, l_i, q, q_pos, k_head, v_head, bt_row, start, kv_hi, offs_d, d_ok, scale_log2,
+                     stride_c_block, stride_c_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax step over key positions [start, start + BLOCK_N) (those < kv_hi), gathered through the
+    block table row bt_row; CAUSAL masks keys past each row's q_pos. Returns the updated (acc, m_i, l_i)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < kv_hi
+    block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    slot = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot           # slot: [BLOCK_N]
+    k = tl.load(k_head + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2                  # s: [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    v = tl.load(v_head + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2,
@@ -67,21 +89,19 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_hi
-        block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-        k = tl.load(k_cache_ptr + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2          # s: [BLOCK_M, BLOCK_N]
-        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    k_head = k_cache_ptr + kv_head * stride_c_head
+    v_head = v_cache_ptr + kv_head * stride_c_head
+    # key tiles wholly at or before the tile's first row are seen by every row: no causal mask there
+    first_pos = prefix + q_tile * BLOCK_Q
+    unmasked_hi = kv_lo + tl.maximum(tl.minimum(first_pos + 1, kv_hi) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_lo, unmasked_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, q_pos, k_head, v_head, bt_row, start, kv_hi, offs_d,
+                                         d_ok, scale_log2, stride_c_block, stride_c_slot, BLOCK_SIZE, BLOCK_N,
+                                         False, DOT_PRECISION)
+    for start in range(unmasked_hi, kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(acc, m_i, l_i, q, q_pos, k_head, v_head, bt_row, start, kv_hi, offs_d,
+                                         d_ok, scale_log2, stride_c_block, stride_c_slot, BLOCK_SIZE, BLOCK_N,
+                                         True, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -177,9 +197,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    splits = _num_kv_splits(num_seqs, num_kv_heads, q.device) if num_kv_splits is None else num_kv_splits
+    splits = _num_kv_splits(num_seqs, num_kv_heads, max_query_len, q.device) if num_kv_splits is None \
+        else num_kv_splits
     assert splits == 1 or max_query_len == 1, "KV splits are for decode batches (max_query_len == 1) only"
-    block_m, block_n, num_warps = _tile_config(max_query_len, group, q.device)
+    block_m, block_n, num_warps, num_stages = _tile_config(max_query_len, group, q.device)
     block_q = block_m // group
     d_pad = triton.next_power_of_2(head_dim)
     if splits > 1:
@@ -195,7 +216,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_heads,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, out.stride(0), out.stride(1), num_heads,
@@ -203,18 +224,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _tile_config(max_query_len: int, group: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M rows of (token, head) pairs, BLOCK_N keys, num_warps); BLOCK_M holds at least one token."""
+def _tile_config(max_query_len: int, group: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows of (token, head) pairs, BLOCK_N keys, num_warps, num_stages); BLOCK_M holds a token."""
     if device.type != "cuda":                       # interpreter: small tiles keep numpy work tiny
-        return max(16, triton.next_power_of_2(group)), 16, 4
+        return max(16, triton.next_power_of_2(group)), 16, 4, 1
     if max_query_len * group <= 16:
-        return max(16, triton.next_power_of_2(group)), 64, 4
-    return max(64, triton.next_power_of_2(group)), 64, 4
+        return max(16, triton.next_power_of_2(group)), 64, 4, 3
+    return max(64, triton.next_power_of_2(group)), 64, 4, 3
 
 
-def _num_kv_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+def _num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
     """Enough key splits that a decode batch fills about two waves of the GPU's SMs (power of two)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or max_query_len != 1:
         return 1
     programs = num_seqs * num_kv_heads
     target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -18,6 +18,11 @@ class Attention(nn.Module):
                 batch: ForwardBatch) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
+        if q.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
+            from worker.kernels import attention as kernels
+            kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            return kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                           batch.seq_lens, self.scale, batch.num_seqs, batch.max_query_len)
         reference.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,
                                          batch.seq_lens_host, self.scale)

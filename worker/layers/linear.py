@@ -61,6 +61,14 @@ class Linear(nn.Module):
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor, info: LoRABatchInfo) -> None:
         w = self.lora
+        if x.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
+            from worker.kernels.lora_expand import lora_expand
+            from worker.kernels.lora_shrink import lora_shrink
+            xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
+                             info.num_segments, info.max_seg_len)
+            lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                        tuple(w.slice_offsets), info.num_segments, info.max_seg_len)
+            return
         xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
                                    info.ranks_host, w.num_slices)
         reference.lora_expand(y, xa, w.b, info.seg_indptr_host, info.weight_indices_host,

@@ -2,7 +2,8 @@
 
 Host-side staging buffers (pinned on CUDA) are filled in Python, then copied to device buffers of
 fixed size with non_blocking=True; the ForwardBatch holds views of the device buffers, so their
-storage never moves (what CUDA graphs need).
+storage never moves (what CUDA graphs need). A decode batch may be padded to a graph's batch size:
+padding sequences have one token that writes no K/V (slot -1), reads block 0, and uses no adapter.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from worker.batch import ForwardBatch, LoRABatchInfo, ScheduledBatch
 
 class InputBuilder:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, lora_ranks_host: list[int] | None, lora_ranks: torch.Tensor | None):
+                 device: torch.device, lora_ranks_host: list[int], lora_ranks: torch.Tensor):
         self.block_size = block_size
         self.device = device
         pin = device.type == "cuda"
@@ -21,17 +22,19 @@ class InputBuilder:
         shapes = {"input_ids": ([max_num_tokens], i64), "positions": ([max_num_tokens], i64),
                   "slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
                   "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
-                  "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_seqs + 1], i32),
-                  "weight_indices": ([max_num_seqs], i32)}
+                  "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
+                  "weight_indices": ([max_num_tokens], i32)}
         self.host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
         self.dev = ({k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
                     if device.type != "cpu" else self.host)
         self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
 
-    def build(self, batch: ScheduledBatch) -> ForwardBatch:
+    def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None) -> ForwardBatch:
+        """`pad_to`: a decode batch padded to that many sequences, one LoRA segment per sequence (the
+        fixed shapes of a CUDA graph). `lora`: force LoRA on or off (graph capture); None decides from
+        the batch."""
         h = self.host
-        ids, pos, slots, qsl, lens, prompt_idx, sample_idx = [], [], [], [0], [], [], []
-        prompt_rows = []
+        ids, pos, slots, qsl, lens, prompt_idx, sample_idx, prompt_rows = [], [], [], [0], [], [], [], []
         h["block_tables"].fill_(-1)
         for i, seq in enumerate(batch.seqs):
             end = seq.start + seq.num_new_tokens
@@ -49,44 +52,59 @@ class InputBuilder:
                 prompt_idx += [qsl[-2] + p - seq.start for p in scored]
             if seq.samples:
                 sample_idx.append(qsl[-1] - 1)
+        n_real = len(batch.seqs)
+        for i in range(n_real, pad_to or n_real):   # padding: token 0 at position 0, no K/V written
+            ids.append(0)
+            pos.append(0)
+            slots.append(-1)
+            qsl.append(qsl[-1] + 1)
+            lens.append(1)
+            h["block_tables"][i, 0] = 0
+            sample_idx.append(qsl[-1] - 1)
         logits_idx = prompt_idx + sample_idx
-        n_tok, n_seq = qsl[-1], len(batch.seqs)
+        n_tok, n_seq = qsl[-1], len(lens)
         for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
                              ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx)):
             h[name][:len(values)] = torch.tensor(values, dtype=h[name].dtype)
-        lora = self._build_lora(batch)
+        lora_info = self._build_lora(batch, pad_to, lora)
         self._to_device()
         d = self.dev
         return ForwardBatch(
-            num_tokens=n_tok, num_seqs=n_seq, input_ids=d["input_ids"][:n_tok], positions=d["positions"][:n_tok],
+            num_tokens=n_tok, num_seqs=n_seq, max_query_len=max(qsl[i + 1] - qsl[i] for i in range(n_seq)),
+            input_ids=d["input_ids"][:n_tok], positions=d["positions"][:n_tok],
             slot_mapping=d["slot_mapping"][:n_tok], query_start_loc=d["query_start_loc"][:n_seq + 1],
             seq_lens=d["seq_lens"][:n_seq], block_tables=d["block_tables"][:n_seq],
-            logits_indices=d["logits_indices"][:len(logits_idx)], lora=lora,
+            logits_indices=d["logits_indices"][:len(logits_idx)], lora=lora_info,
             sample_rows=list(range(len(prompt_idx), len(logits_idx))), prompt_rows=prompt_rows,
             query_start_loc_host=qsl, seq_lens_host=lens)
 
-    def _build_lora(self, batch: ScheduledBatch) -> LoRABatchInfo | None:
-        """Merge consecutive sequences of the same slot into segments.
+    def _build_lora(self, batch: ScheduledBatch, pad_to: int | None, force: bool | None) -> LoRABatchInfo | None:
+        """Merge consecutive sequences of the same slot into segments (not when padding for a graph).
 
         Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b].
         """
-        if self.lora_ranks is None:
-            return None
         indptr, weights = [0], []
         for seq in batch.seqs:
-            if weights and weights[-1] == seq.lora_slot:
+            if weights and weights[-1] == seq.lora_slot and pad_to is None:
                 indptr[-1] += seq.num_new_tokens
             else:
                 weights.append(seq.lora_slot)
                 indptr.append(indptr[-1] + seq.num_new_tokens)
-        self.host["seg_indptr"][:len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
-        self.host["weight_indices"][:len(weights)] = torch.tensor(weights, dtype=torch.int32)
+        for _ in range(len(batch.seqs), pad_to or 0):
+            weights.append(-1)
+            indptr.append(indptr[-1] + 1)
         ranks = self.lora_ranks_host
         max_rank = max((ranks[w] for w in weights if w >= 0), default=0)
+        if force is not None:
+            max_rank = max(ranks + [1]) if force else 0
+        if max_rank == 0:
+            return None
+        self.host["seg_indptr"][:len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
+        self.host["weight_indices"][:len(weights)] = torch.tensor(weights, dtype=torch.int32)
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
-                             max_rank=max_rank, seg_indptr_host=indptr, weight_indices_host=weights,
-                             ranks_host=list(ranks))
+                             max_rank=max_rank, max_seg_len=max(b - a for a, b in zip(indptr, indptr[1:])),
+                             seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
 
     def _to_device(self) -> None:
         if self.dev is self.host:

@@ -12,8 +12,9 @@ from worker.ipc.messages import TokenLogprob
 from worker.kv_cache.kv_pool import KVPool
 from worker.lora.adapter import LoRAAdapter
 from worker.lora.gpu_pool import GPULoRAPool
+from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
-from worker.model_runner.sampler import Sampler, SamplingRow, compute_logprobs
+from worker.model_runner.sampler import Sampler, SamplingRow, compute_logprobs, to_host
 from worker.models.hf_config import ArchConfig
 from worker.models.registry import build_model
 
@@ -42,6 +43,11 @@ class ModelRunner:
                                           config.cache.block_size, device, self.lora_pool.ranks_host,
                                           self.lora_pool.ranks)
         self.sampler = Sampler(arch.vocab_size, seed=m.seed, device=device, eos_token_ids=list(arch.eos_token_ids))
+        self.graph_runner = None
+        if device.type == "cuda" and not config.enforce_eager:
+            self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
+                                                sched.max_num_seqs)
+            self.graph_runner.capture()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -52,17 +58,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
-        forward_batch = self.input_builder.build(batch)
-        logits = self.model(forward_batch, self.kv_pool.caches)    # [num_logits, vocab]
-        prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
-        if forward_batch.prompt_rows:
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits, prompt_logprobs = self.graph_runner.run(batch), {}     # [num_seqs, vocab]
+        else:
+            forward_batch = self.input_builder.build(batch)
+            logits = self.model(forward_batch, self.kv_pool.caches)    # [num_logits, vocab]
+            prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
             logits = logits[len(logits) - len(forward_batch.sample_rows):]   # [num_sampling_seqs, vocab]
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
                 for s in batch.seqs if s.samples]
         if not rows:
             return ModelOutput([], [], logits, prompt_logprobs)
         out = self.sampler(logits, rows)
-        return ModelOutput(out.token_ids.tolist(), out.logprobs, logits, prompt_logprobs)
+        (token_ids,) = to_host(out.token_ids)
+        return ModelOutput(token_ids.tolist(), out.logprobs, logits, prompt_logprobs)
 
     @staticmethod
     def _prompt_logprobs(batch: ScheduledBatch, prompt_rows, logits: torch.Tensor) -> dict:

@@ -89,7 +89,7 @@ class Sampler:
             return logits
         row_idx, token_idx = zip(*pairs)
         indices = (self._to_device(row_idx, torch.int64), self._to_device(token_idx, torch.int64))
-        return logits.index_put(indices, torch.tensor(float("-inf"), device=logits.device))
+        return logits.index_put(indices, torch.full((len(pairs),), float("-inf"), device=logits.device))
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         return params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
@@ -142,8 +142,7 @@ class Sampler:
 
     def _token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
         """[num_rows, vocab_size] float32: how often each token occurs in each row's list."""
-        lengths = self._to_device([len(ids) for ids in token_lists], torch.int64)
-        row_idx = torch.repeat_interleave(torch.arange(len(token_lists), device=self.device), lengths)
+        row_idx = self._to_device([i for i, ids in enumerate(token_lists) for _ in ids], torch.int64)
         token_idx = self._to_device([t for ids in token_lists for t in ids], torch.int64)
         counts = torch.zeros(len(token_lists), self.vocab_size, device=self.device)
         return counts.index_put_((row_idx, token_idx), torch.ones_like(token_idx, dtype=counts.dtype),
@@ -196,10 +195,22 @@ def _top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(slot < num_above, best, tied_ids.gather(1, tie_slot))
 
 
-def _to_token_logprobs(token_ids, logprobs, ranks, top_ids, top_logprobs) -> list[TokenLogprob]:
+def _to_token_logprobs(*tensors: torch.Tensor) -> list[TokenLogprob]:
+    token_ids, logprobs, ranks, top_ids, top_logprobs = (t.tolist() for t in to_host(*tensors))
     return [TokenLogprob(token_id=t, logprob=lp, rank=r, top=list(zip(ids, lps)))
-            for t, lp, r, ids, lps in zip(token_ids.tolist(), logprobs.tolist(), ranks.tolist(),
-                                           top_ids.tolist(), top_logprobs.tolist())]
+            for t, lp, r, ids, lps in zip(token_ids, logprobs, ranks, top_ids, top_logprobs)]
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copy device tensors to (pinned) host memory asynchronously and wait on an event, not on the
+    stream: the one device-to-host transfer a step allows, and no sync the debug mode would flag."""
+    if not tensors or not tensors[0].is_cuda:
+        return list(tensors)
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
 
 
 def _has_penalty(params: SamplingParams) -> bool:

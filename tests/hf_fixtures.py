@@ -1,11 +1,10 @@
-"""Tiny Hugging Face models and PEFT adapters, built in the test session (no network)."""
+"""Tiny Hugging Face models and PEFT adapters built in the test session (no network): the oracle."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,12 +73,6 @@ def build_hf_model(arch: str, root: Path) -> Path:
                     p.mul_(20.0)
         peft_model.save_pretrained(root / f"{arch}-{spec.name}")
     return model_dir
-
-
-@pytest.fixture(scope="session")
-def hf_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    return {arch: build_hf_model(arch, root) for arch in ("llama", "qwen2", "qwen3")}
 
 
 def adapter_dir(model_dir: Path, name: str) -> Path:

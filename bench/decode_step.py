@@ -1,0 +1,147 @@
+"""Decode-step time of the GPU path against the memory floor, with and without adapters, graphs vs eager.
+
+    python -m bench.decode_step --model bench/configs/llama-3.1-8b --out decode.json
+
+The memory floor of a step is the bytes it must read (base weights, plus the weights of the adapters
+in the batch) divided by the device copy bandwidth measured in the same run. Step times are the wall
+time of Engine.step() (host work included) and, for graph runs, the replay alone timed with CUDA events.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.make_adapters import make_adapter
+from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.engine import Engine
+from worker.ipc.messages import SamplingParams
+from worker.models.hf_config import ArchConfig
+
+logger = logging.getLogger(__name__)
+
+
+def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    return 2 * num_bytes / seconds
+
+
+def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool) -> Engine:
+    return Engine(WorkerConfig(
+        ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
+        cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
+        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096),
+        device="cuda", enforce_eager=eager))
+
+
+def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int, prompt_len: int = 128) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{i}", list(range(100, 100 + prompt_len)), params, adapters[i % len(adapters)])
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
+        engine.step()                                  # prefill (and any adapter loads)
+    for _ in range(5):
+        engine.step()
+    wall = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        wall.append(time.perf_counter() - t0)
+    replay_ms = replay_time_ms(engine, batch, any(a is not None for a in adapters))
+    for request_id in list(engine._requests):
+        engine.abort_request(request_id)
+    return {"batch": batch, "step_ms_median": 1e3 * statistics.median(wall),
+            "step_ms_mean": 1e3 * statistics.fmean(wall), "replay_ms": replay_ms}
+
+
+def replay_time_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float | None:
+    graphs = engine.runner.graph_runner
+    if graphs is None:
+        return None
+    bucket = next(b for b in graphs.buckets if b >= batch)
+    graph, _ = graphs.graphs[(bucket, lora)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def weight_bytes(engine: Engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+
+
+def adapter_bytes(arch: ArchConfig, rank: int) -> int:
+    h, i, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+    per_layer = rank * ((h + q) + (h + kv) * 2 + (q + h) + (h + i) * 2 + (i + h))
+    return per_layer * arch.num_layers * 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="bench/configs/llama-3.1-8b")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    arch = ArchConfig.from_dir(args.model)
+    bandwidth = copy_bandwidth()
+    results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(32)]
+        for eager in (False, True):
+            engine = build_engine(args.model, 32, 32, eager)
+            for i, path in enumerate(adapters):
+                engine.add_adapter(f"a{i}", path)
+            base = weight_bytes(engine)
+            results["weight_bytes"] = base
+            mode = "eager" if eager else "graphs"
+            runs = {"b1_base": (1, [None]), "b32_base": (32, [None])}
+            if not eager:
+                runs.update({"b1_lora16": (1, ["a0"]), "b32_32lora16": (32, [f"a{i}" for i in range(32)])})
+            for name, (batch, names) in runs.items():
+                result = time_decode(engine, batch, names, args.steps)
+                n_adapters = len({n for n in names if n})
+                floor_ms = 1e3 * (base + n_adapters * adapter_bytes(arch, 16)) / bandwidth
+                result.update(floor_ms=floor_ms, step_over_floor=result["step_ms_median"] / floor_ms)
+                results["runs"][f"{mode}_{name}"] = result
+                logger.info("%s %s: %s", mode, name, result)
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    r = results["runs"]
+    results["ratios"] = {
+        "b1_base_step_over_floor": r["graphs_b1_base"]["step_over_floor"],
+        "b1_lora16_over_b1_base": r["graphs_b1_lora16"]["step_ms_median"] / r["graphs_b1_base"]["step_ms_median"],
+        "b32_32lora16_over_floor_with_adapters": r["graphs_b32_32lora16"]["step_over_floor"],
+        "b1_eager_over_graphs": r["eager_b1_base"]["step_ms_median"] / r["graphs_b1_base"]["step_ms_median"],
+        "b32_eager_over_graphs": r["eager_b32_base"]["step_ms_median"] / r["graphs_b32_base"]["step_ms_median"],
+    }
+    print(json.dumps(results, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""GPU micro-benchmark of the LoRA shrink + expand kernels at Llama-8B projection shapes.
+
+Each kernel is captured `--iters` times in a CUDA graph (no launch overhead in the timing) and timed
+with CUDA events after a warm-up replay. Achieved bandwidth = bytes that must move / time, where the
+bytes are x, the A and B rows of the adapters the batch uses (at their own rank), xa written and read
+(at the used rank), and y read and written.
+
+    python3 -m bench.kernels_lora --out lora_kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from worker.kernels.lora_expand import lora_expand
+from worker.kernels.lora_shrink import lora_shrink
+
+logger = logging.getLogger(__name__)
+
+PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+
+
+@dataclass(frozen=True)
+class Case:
+    projection: str
+    seg_lens: tuple[int, ...]   # tokens of each segment
+    num_adapters: int           # segments cycle over this many adapters
+    rank: int                   # every adapter's rank (slots are sized to max_rank)
+    max_rank: int = 128
+
+    @property
+    def name(self) -> str:
+        kind = "decode" if max(self.seg_lens) == 1 else "prefill"
+        return f"{self.projection}-{kind}-t{sum(self.seg_lens)}-a{self.num_adapters}-r{self.rank}"
+
+
+CASES = [
+    Case("qkv", (1,), 1, 16),
+    Case("qkv", (1,) * 32, 32, 16),
+    Case("qkv", (1,) * 32, 32, 128),
+    Case("qkv", (1,) * 64, 8, 64),
+    Case("gate_up", (1,) * 32, 32, 16),
+    Case("down", (1,) * 32, 32, 16),
+    Case("qkv", (512,), 1, 16),
+    Case("qkv", (128,) * 4, 4, 64),
+    Case("gate_up", (512,), 1, 16),
+    Case("down", (256, 1, 1, 1, 1, 128), 6, 32),
+]
+
+
+@dataclass
+class Result:
+    case: str
+    tokens: int
+    adapters: int
+    rank: int
+    shrink_us: float
+    expand_us: float
+    total_us: float
+    bytes: int
+    gbps: float
+
+
+def _graph_time_us(fn: Callable[[], None], iters: int) -> float:
+    """Mean time of one fn() call, captured `iters` times in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()                                           # compile before capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()                                     # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _bytes_moved(case: Case, in_dim: int, out_dim: int, num_slices: int, elem: int) -> int:
+    tokens, used = sum(case.seg_lens), min(case.num_adapters, len(case.seg_lens))
+    x = tokens * in_dim
+    a = used * num_slices * case.rank * in_dim
+    xa = 2 * tokens * num_slices * case.rank        # written by shrink, read by expand
+    b = used * out_dim * case.rank
+    y = 2 * tokens * out_dim                        # read and written by expand
+    return (x + a + xa + b + y) * elem
+
+
+def run_case(case: Case, dtype: torch.dtype, iters: int) -> Result:
+    in_dim, widths = PROJECTIONS[case.projection]
+    ns, R, dev = len(widths), case.max_rank, torch.device("cuda")
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    tokens, num_segments = sum(case.seg_lens), len(case.seg_lens)
+    indptr = [0]
+    for n in case.seg_lens:
+        indptr.append(indptr[-1] + n)
+    seg_indptr = torch.tensor(indptr, dtype=torch.int32, device=dev)
+    weights = torch.tensor([i % case.num_adapters for i in range(num_segments)], dtype=torch.int32, device=dev)
+    ranks = torch.full((case.num_adapters,), case.rank, dtype=torch.int32, device=dev)
+    scalings = torch.ones(case.num_adapters, ns, device=dev)
+    x = torch.randn(tokens, in_dim, dtype=dtype, device=dev)
+    a = torch.randn(case.num_adapters, ns * R, in_dim, dtype=dtype, device=dev) * in_dim ** -0.5
+    b = torch.randn(case.num_adapters, offsets[-1], R, dtype=dtype, device=dev) * 1e-3
+    y = torch.randn(tokens, offsets[-1], dtype=dtype, device=dev)
+    xa = torch.empty(tokens, ns * R, dtype=dtype, device=dev)
+    max_len = max(case.seg_lens)
+
+    def shrink() -> None:
+        lora_shrink(x, a, seg_indptr, weights, ranks, ns, num_segments, max_len, out=xa)
+
+    def expand() -> None:
+        lora_expand(y, xa, b, seg_indptr, weights, ranks, scalings, offsets, num_segments, max_len)
+
+    def both() -> None:
+        shrink()
+        expand()
+
+    shrink_us, expand_us, total_us = (_graph_time_us(fn, iters) for fn in (shrink, expand, both))
+    moved = _bytes_moved(case, in_dim, offsets[-1], ns, x.element_size())
+    return Result(case.name, tokens, case.num_adapters, case.rank, round(shrink_us, 2), round(expand_us, 2),
+                  round(total_us, 2), moved, round(moved / total_us / 1e3, 1))
+
+
+def _table(results: list[Result]) -> str:
+    head = f"{'case':<34}{'shrink us':>10}{'expand us':>10}{'total us':>10}{'MB':>8}{'GB/s':>8}"
+    rows = [f"{r.case:<34}{r.shrink_us:>10.2f}{r.expand_us:>10.2f}{r.total_us:>10.2f}"
+            f"{r.bytes / 1e6:>8.2f}{r.gbps:>8.1f}" for r in results]
+    return "\n".join([head, *rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the results")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--iters", type=int, default=200, help="launches per timed CUDA graph")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels_lora needs a CUDA device")
+    dtype = getattr(torch, args.dtype)
+    results = []
+    for case in CASES:
+        results.append(run_case(case, dtype, args.iters))
+        logger.info("done %s", case.name)
+    print(_table(results))
+    device = torch.cuda.get_device_name()
+    with open(args.out, "w") as f:
+        json.dump({"device": device, "dtype": args.dtype, "iters": args.iters,
+                   "results": [asdict(r) for r in results]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Triton LoRA shrink/expand against float32 references.
+
+Without CUDA the kernels run in the Triton interpreter on small fp16/fp32 shapes (the interpreter does
+not emulate bf16 dots); with CUDA they compile, bf16 is added, and the `gpu` cases run at 8B shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from worker.kernels import reference  # noqa: E402
+from worker.kernels.lora_expand import lora_expand  # noqa: E402
+from worker.kernels.lora_shrink import lora_shrink  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if CUDA else [])
+# tolerance, relative to the largest reference magnitude: one rounding into the output dtype
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+NUM_SLOTS, IN_DIM = 8, 80          # 80: not a multiple of the K block, so the K mask is exercised
+SLICE_WIDTHS = {"o": (40,), "gate_up": (56, 56), "qkv": (64, 32, 32)}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seg_lens: tuple[int, ...]
+    base_only: tuple[int, ...]     # positions of base-only segments
+    popularity: str                # distinct | uniform | identical | zipf
+    slot_ranks: tuple[int, ...]    # cycled over the slots
+    max_rank: int = 16             # R
+    pad_segments: int = 0          # empty segments past the real ones (CUDA-graph bucket)
+    pad_tokens: int = 0            # rows past the last segment (belong to no segment)
+    num_slots: int = NUM_SLOTS
+
+
+SCENARIOS = {
+    "decode-distinct-ranks4+16": Scenario((1,) * 8, (2, 5), "distinct", (4, 16)),
+    "decode-uniform-ranks4+16": Scenario((1,) * 8, (0,), "uniform", (16, 4)),
+    "decode-identical": Scenario((1,) * 8, (3,), "identical", (16,)),
+    "decode-zipf-ranks4+16": Scenario((1,) * 8, (6,), "zipf", (4, 16)),
+    "decode-graph-padded": Scenario((1,) * 5, (1,), "uniform", (4, 16), pad_segments=3, pad_tokens=3),
+    "decode-zipf-R128": Scenario((1,) * 6, (4,), "zipf", (8, 72, 128), max_rank=128),
+    "prefill-distinct-ranks4+16": Scenario((19, 5, 33, 1), (1,), "distinct", (4, 16)),
+    "prefill-identical": Scenario((40, 17), (), "identical", (16,)),
+    "prefill-zipf-ranks4+16": Scenario((3, 21, 1, 18, 9), (2,), "zipf", (16, 4)),
+    "prefill-uniform-R128": Scenario((20, 1, 9), (1,), "uniform", (8, 72, 128), max_rank=128),
+}
+
+
+def _popular_slots(popularity: str, n: int, num_slots: int, gen: torch.Generator) -> list[int]:
+    if popularity == "distinct":
+        return torch.randperm(num_slots, generator=gen)[:n].tolist()
+    if popularity == "uniform":
+        return torch.randint(num_slots, (n,), generator=gen).tolist()
+    if popularity == "identical":
+        return [int(torch.randint(num_slots, (1,), generator=gen))] * n
+    zipf = 1.0 / torch.arange(1, num_slots + 1, dtype=torch.float64) ** 1.5
+    return torch.multinomial(zipf, n, replacement=True, generator=gen).tolist()
+
+
+@dataclass
+class Batch:
+    """One step's segments: host lists for the references, device tensors for the kernels."""
+    seg_indptr: list[int]         # [num real segments + 1]
+    slots: list[int]              # [num real segments]; -1 = base only
+    slot_ranks: list[int]         # [num_slots]
+    max_rank: int
+    num_segments: int             # grid bound, counts the empty padding segments
+    max_seg_len: int
+    num_tokens: int
+
+    def token_slots(self) -> list[int | None]:
+        """Adapter slot of each token row; None for rows in no segment."""
+        rows: list[int | None] = [None] * self.num_tokens
+        for i, w in enumerate(self.slots):
+            rows[self.seg_indptr[i]:self.seg_indptr[i + 1]] = [w] * (self.seg_indptr[i + 1] - self.seg_indptr[i])
+        return rows
+
+    def device_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """seg_indptr, weight_indices, ranks; padding segments are empty but name a real slot (0)."""
+        pad = self.num_segments - len(self.slots)
+        indptr = self.seg_indptr + [self.seg_indptr[-1]] * pad
+        weights = self.slots + [0] * pad
+        return tuple(torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in (indptr, weights, self.slot_ranks))
+
+
+def _make_batch(sc: Scenario, gen: torch.Generator) -> Batch:
+    slots = _popular_slots(sc.popularity, len(sc.seg_lens), sc.num_slots, gen)
+    slots = [-1 if i in sc.base_only else w for i, w in enumerate(slots)]
+    indptr = [0]
+    for n in sc.seg_lens:
+        indptr.append(indptr[-1] + n)
+    ranks = [sc.slot_ranks[i % len(sc.slot_ranks)] for i in range(sc.num_slots)]
+    return Batch(indptr, slots, ranks, sc.max_rank, len(slots) + sc.pad_segments, max(sc.seg_lens),
+                 indptr[-1] + sc.pad_tokens)
+
+
+def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
+
+
+def _per_token_xa(x: torch.Tensor, a: torch.Tensor, batch: Batch, num_slices: int) -> torch.Tensor:
+    """float32 xa, one token at a time; NaN on rows in no segment (the kernel must not write them)."""
+    R = batch.max_rank
+    xa = torch.zeros(batch.num_tokens, num_slices * R, device=x.device)
+    for t, w in enumerate(batch.token_slots()):
+        if w is None:
+            xa[t] = float("nan")
+            continue
+        if w < 0:
+            continue
+        r = batch.slot_ranks[w]
+        for s in range(num_slices):
+            xa[t, s * R:s * R + r] = a[w, s * R:s * R + r].float() @ x[t].float()
+    return xa
+
+
+def _per_token_y(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scalings: torch.Tensor, batch: Batch,
+                 offsets: list[int]) -> torch.Tensor:
+    """float32 y + scaled delta, one token at a time."""
+    R, out = batch.max_rank, y.float().clone()
+    for t, w in enumerate(batch.token_slots()):
+        if w is None or w < 0:
+            continue
+        r = batch.slot_ranks[w]
+        for s in range(len(offsets) - 1):
+            o0, o1 = offsets[s], offsets[s + 1]
+            out[t, o0:o1] += scalings[w, s] * (b[w, o0:o1, :r].float() @ xa[t, s * R:s * R + r].float())
+    return out
+
+
+def _offsets(widths: tuple[int, ...]) -> list[int]:
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    return offsets
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    magnitude = expected.nan_to_num().abs().max().item()
+    torch.testing.assert_close(actual.float(), expected, rtol=tol, atol=tol * magnitude, equal_nan=True)
+
+
+def _expand_inputs(batch: Batch, widths: tuple[int, ...], gen: torch.Generator):
+    """y, xa (random everywhere, also past each rank), b, scalings."""
+    R, out_dim = batch.max_rank, sum(widths)
+    y = _randn(batch.num_tokens, out_dim, gen=gen)
+    xa = _randn(batch.num_tokens, len(widths) * R, gen=gen)
+    num_slots = len(batch.slot_ranks)
+    b = _randn(num_slots, out_dim, R, gen=gen, scale=R ** -0.5)
+    scalings = (torch.rand(num_slots, len(widths), generator=gen) + 0.5).to(DEVICE)
+    return y, xa, b, scalings
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("widths", SLICE_WIDTHS.values(), ids=SLICE_WIDTHS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shrink_matches_per_token_reference(dtype, widths, scenario):
+    gen = torch.Generator().manual_seed(1)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    ns, R = len(widths), batch.max_rank
+    x = _randn(batch.num_tokens, IN_DIM, gen=gen).to(dtype)
+    a = _randn(NUM_SLOTS, ns * R, IN_DIM, gen=gen, scale=IN_DIM ** -0.5).to(dtype)   # random past each rank too
+    stale = torch.full((batch.num_tokens, ns * R), float("nan"), dtype=dtype, device=DEVICE)
+
+    xa = lora_shrink(x, a, *batch.device_metadata(), ns, batch.num_segments, batch.max_seg_len, out=stale)
+
+    expected = _per_token_xa(x, a, batch, ns)
+    assert xa is stale
+    _assert_close(xa, expected, dtype)
+    assert (xa[expected == 0] == 0).all(), "base-only rows and columns past the rank must be exact zeros"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("widths", SLICE_WIDTHS.values(), ids=SLICE_WIDTHS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_expand_matches_per_token_reference(dtype, widths, scenario):
+    gen = torch.Generator().manual_seed(2)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    y0, xa, b, scalings = _expand_inputs(batch, widths, gen)
+    y0, xa, b = y0.to(dtype), xa.to(dtype), b.to(dtype)
+    offsets = _offsets(widths)
+    y = y0.clone()
+
+    lora_expand(y, xa, b, *batch.device_metadata(), scalings, offsets, batch.num_segments, batch.max_seg_len)
+
+    _assert_close(y, _per_token_y(y0, xa, b, scalings, batch, offsets), dtype)
+    untouched = [t for t, w in enumerate(batch.token_slots()) if w is None or w < 0]
+    assert torch.equal(y[untouched], y0[untouched]), "base-only rows and rows in no segment must be untouched"
+
+
+@pytest.mark.parametrize("widths", SLICE_WIDTHS.values(), ids=SLICE_WIDTHS.keys())
+def test_expand_reads_slice_offsets_from_device_tensor_like_tuple(widths):
+    gen = torch.Generator().manual_seed(3)
+    batch = _make_batch(SCENARIOS["prefill-zipf-ranks4+16"], gen)
+    y0, xa, b, scalings = _expand_inputs(batch, widths, gen)
+    y0, xa, b = y0.half(), xa.half(), b.half()
+    offsets = _offsets(widths)
+    y_tuple, y_tensor = y0.clone(), y0.clone()
+    meta = batch.device_metadata()
+
+    lora_expand(y_tuple, xa, b, *meta, scalings, tuple(offsets), batch.num_segments, batch.max_seg_len)
+    lora_expand(y_tensor, xa, b, *meta, scalings, torch.tensor(offsets, dtype=torch.int32, device=DEVICE),
+                batch.num_segments, batch.max_seg_len)
+
+    assert torch.equal(y_tensor, y_tuple)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shrink_then_expand_match_reference_module(dtype, scenario):
+    """The kernels and worker/kernels/reference.py (run in float32) agree on the whole LoRA delta."""
+    gen = torch.Generator().manual_seed(4)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    widths = SLICE_WIDTHS["qkv"]
+    ns, R, offsets = len(widths), batch.max_rank, _offsets(widths)
+    x = _randn(batch.num_tokens, IN_DIM, gen=gen).to(dtype)
+    a = _randn(NUM_SLOTS, ns * R, IN_DIM, gen=gen, scale=IN_DIM ** -0.5).to(dtype)
+    y0, _, b, scalings = _expand_inputs(batch, widths, gen)
+    y0, b = y0.to(dtype), b.to(dtype)
+    y = y0.clone()
+    meta = batch.device_metadata()
+
+    xa = lora_shrink(x, a, *meta, ns, batch.num_segments, batch.max_seg_len)
+    lora_expand(y, xa, b, *meta, scalings, offsets, batch.num_segments, batch.max_seg_len)
+
+    expected = y0.float()
+    host = (batch.seg_indptr, batch.slots, batch.slot_ranks)
+    xa_ref = reference.lora_shrink(x.float(), a.float(), *host, ns)
+    reference.lora_expand(expected, xa_ref, b.float(), *host, scalings, offsets)
+    # xa is rounded to dtype before expand: allow that rounding on top of the output's own
+    tol = 2 * TOL[dtype]
+    magnitude = expected.abs().max().item()
+    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol * magnitude)
+
+
+QKV_8B, GATE_UP_8B, DOWN_8B = (4096, 1024, 1024), (14336, 14336), (4096,)
+RANKS_8_TO_128 = (8, 16, 32, 64, 128)
+# name: (in_dim, slice widths, scenario); R = 128, slot ranks cycle over 8..128
+GPU_CASES = {
+    "qkv-decode-1": (4096, QKV_8B, Scenario((1,), (), "distinct", RANKS_8_TO_128, 128, num_slots=1)),
+    "qkv-decode-32-distinct": (4096, QKV_8B, Scenario((1,) * 32, (5,), "distinct", RANKS_8_TO_128, 128,
+                                                      num_slots=32)),
+    "gate_up-decode-64-zipf": (4096, GATE_UP_8B, Scenario((1,) * 64, (0, 9), "zipf", RANKS_8_TO_128, 128,
+                                                          num_slots=32)),
+    "qkv-prefill-512": (4096, QKV_8B, Scenario((512,), (), "identical", (64,), 128, num_slots=4)),
+    "down-mixed-prefill-decode": (14336, DOWN_8B, Scenario((300, 1, 1, 1, 150, 1, 37, 1), (2,), "uniform",
+                                                           RANKS_8_TO_128, 128, num_slots=8)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kernels_match_reference_at_model_shapes(dtype, case):
+    in_dim, widths, sc = GPU_CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    batch = _make_batch(sc, gen)
+    ns, R, offsets = len(widths), batch.max_rank, _offsets(widths)
+    x = _randn(batch.num_tokens, in_dim, gen=gen).to(dtype)
+    a = _randn(sc.num_slots, ns * R, in_dim, gen=gen, scale=in_dim ** -0.5).to(dtype)
+    y0, _, b, scalings = _expand_inputs(batch, widths, gen)
+    y0, b = y0.to(dtype), b.to(dtype)
+    meta, host = batch.device_metadata(), (batch.seg_indptr, batch.slots, batch.slot_ranks)
+
+    xa = lora_shrink(x, a, *meta, ns, batch.num_segments, batch.max_seg_len)
+    y = y0.clone()
+    lora_expand(y, xa, b, *meta, scalings, offsets, batch.num_segments, batch.max_seg_len)
+
+    _assert_close(xa, reference.lora_shrink(x.float(), a.float(), *host, ns), dtype)
+    expected = y0.float()
+    reference.lora_expand(expected, xa.float(), b.float(), *host, scalings, offsets)
+    _assert_close(y, expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_kernels_replay_in_cuda_graph_with_new_metadata_without_syncs():
+    """A decode bucket of 16 captured once; replays with other segments/adapters match eager launches."""
+    in_dim, widths, bucket, R = 4096, QKV_8B, 16, 64
+    ns, offsets, gen = len(widths), _offsets(widths), torch.Generator().manual_seed(6)
+    x = _randn(bucket, in_dim, gen=gen).bfloat16()
+    a = _randn(NUM_SLOTS, ns * R, in_dim, gen=gen, scale=in_dim ** -0.5).bfloat16()
+    b = _randn(NUM_SLOTS, sum(widths), R, gen=gen, scale=R ** -0.5).bfloat16()
+    y0 = _randn(bucket, sum(widths), gen=gen).bfloat16()
+    scalings = (torch.rand(NUM_SLOTS, ns, generator=gen) + 0.5).to(DEVICE)
+    static = {"indptr": torch.zeros(bucket + 1, dtype=torch.int32, device=DEVICE),
+              "weights": torch.zeros(bucket, dtype=torch.int32, device=DEVICE),
+              "xa": torch.empty(bucket, ns * R, dtype=x.dtype, device=DEVICE), "y": y0.clone()}
+    ranks = torch.tensor([(8, 64)[i % 2] for i in range(NUM_SLOTS)], dtype=torch.int32, device=DEVICE)
+
+    def step() -> None:
+        lora_shrink(x, a, static["indptr"], static["weights"], ranks, ns, bucket, 1, out=static["xa"])
+        lora_expand(static["y"], static["xa"], b, static["indptr"], static["weights"], ranks, scalings,
+                    offsets, bucket, 1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                   # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for sc in (Scenario((1,) * 16, (3,), "zipf", (8, 64), R),
+               Scenario((1,) * 10, (0,), "uniform", (8, 64), R, pad_segments=6, pad_tokens=6)):
+        batch = _make_batch(sc, gen)
+        indptr, weights, _ = batch.device_metadata()
+        eager_y = y0.clone()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            static["indptr"].copy_(indptr)
+            static["weights"].copy_(weights)
+            static["y"].copy_(y0)
+            graph.replay()
+            xa = lora_shrink(x, a, indptr, weights, ranks, ns, bucket, 1)
+            lora_expand(eager_y, xa, b, indptr, weights, ranks, scalings, offsets, bucket, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(static["y"], eager_y)
+        real = batch.seg_indptr[-1]
+        assert torch.equal(static["y"][real:], y0[real:]), "padding rows must be untouched"

@@ -1,0 +1,117 @@
+"""LoRA expand over token segments: y += scaling * xa @ B^T with each segment's adapter, in place, one launch.
+
+Semantics:
+    R = b.shape[2]                                    (slot rank, = max_lora_rank)
+    for i in range(num_segments) with w = weight_indices[i] >= 0:
+        for t in range(seg_indptr[i], seg_indptr[i+1]), s in range(num_slices),
+                o in range(slice_offsets[s], slice_offsets[s+1]):
+            y[t, o] += scalings[w, s] * sum(xa[t, s*R + r] * b[w, o, r] for r in range(ranks[w]))
+    (accumulated in float32, rounded once into y's dtype)
+
+Base-only segments (w = -1) are skipped: y and xa rows are not touched, so xa may hold anything there.
+The grid tiles the whole output row (all slices), so a tile may straddle a slice boundary; each slice
+that meets the tile adds its own columns. Programs of empty segments or tiles past a segment's
+length exit after a few loads; the rank loop stops at the segment's own rank.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _slice_bound(slice_offsets_ptr, SLICE_OFFSETS: tl.constexpr, s: tl.constexpr):
+    """slice_offsets[s], from the compile-time tuple when given, else from device memory."""
+    if SLICE_OFFSETS is None:
+        return tl.load(slice_offsets_ptr + s)
+    else:
+        return SLICE_OFFSETS[s]
+
+
+@triton.jit
+def _lora_expand_kernel(
+        y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
+        out_dim, stride_ym, stride_xam, stride_bw, stride_bo, stride_sw,
+        SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr,
+        NUM_N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile]
+    m_tile = tl.program_id(0) // NUM_N_TILES
+    n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
+    seg = tl.program_id(1)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    m0 = tl.load(seg_indptr_ptr + seg) + m_tile * BLOCK_M
+    if m0 >= seg_end:
+        return
+    w = tl.load(weight_indices_ptr + seg)
+    if w < 0:
+        return
+    rank = tl.load(ranks_ptr + w)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_m = offs_m < seg_end
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(NUM_SLICES):
+        lo = _slice_bound(slice_offsets_ptr, SLICE_OFFSETS, s)
+        hi = _slice_bound(slice_offsets_ptr, SLICE_OFFSETS, s + 1)
+        if (n0 < hi) & (n0 + BLOCK_N > lo):
+            mask_n = (offs_n >= lo) & (offs_n < hi)
+            # xa_ptrs: [BLOCK_M, BLOCK_R]; b_ptrs: [BLOCK_R, BLOCK_N] (B rows read transposed)
+            xa_ptrs = xa_ptr + offs_m.to(tl.int64)[:, None] * stride_xam + s * MAX_RANK + offs_r[None, :]
+            b_ptrs = b_ptr + w.to(tl.int64) * stride_bw + offs_n[None, :] * stride_bo + offs_r[:, None]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                mask_r = offs_r < rank - r0
+                xa_tile = tl.load(xa_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+                b_tile = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+                acc += tl.dot(xa_tile, b_tile, input_precision="ieee")
+                xa_ptrs += BLOCK_R
+                b_ptrs += BLOCK_R
+            delta += acc * tl.load(scalings_ptr + w * stride_sw + s)
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    mask = mask_m[:, None] & (offs_n < out_dim)[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(max_seg_len: int, max_rank: int) -> dict:
+    """Decode (short segments): skinny tiles; prefill: taller tiles. Rank steps cover R <= 64 in one go."""
+    block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
+    if max_seg_len <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=block_r, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=block_r, num_warps=4, num_stages=2)
+
+
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor,
+                weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+                slice_offsets: Sequence[int] | torch.Tensor, num_segments: int, max_seg_len: int) -> None:
+    """Add every slice's LoRA delta into y in one launch; no host-device sync.
+
+    y: [num_tokens, out_dim] (updated in place); xa: [num_tokens, num_slices * R]; b: [num_slots, out_dim, R];
+    seg_indptr: [>= num_segments + 1] int32; weight_indices: [>= num_segments] int32 (-1 = base only);
+    ranks: [num_slots] int32; scalings: [num_slots, num_slices] float32;
+    slice_offsets: [num_slices + 1] host ints (compiled in) or an int32 device tensor (read by the kernel).
+    num_segments, max_seg_len: host upper bounds that size the grid, as for lora_shrink.
+    """
+    out_dim, max_rank = b.shape[1], b.shape[2]
+    if isinstance(slice_offsets, torch.Tensor):
+        offsets_ptr, offsets_const, num_slices = slice_offsets, None, slice_offsets.numel() - 1
+    else:
+        offsets_ptr, offsets_const, num_slices = None, tuple(int(o) for o in slice_offsets), len(slice_offsets) - 1
+    assert y.shape[1] == out_dim and xa.shape == (y.shape[0], num_slices * max_rank), "y, xa, b shapes disagree"
+    assert y.stride(1) == 1 and xa.stride(1) == 1 and b.stride(2) == 1, "y, xa and b need a contiguous last dim"
+    assert scalings.shape == (b.shape[0], num_slices) and scalings.stride(1) == 1
+    if num_segments == 0 or max_seg_len == 0:
+        return
+    cfg = _config(max_seg_len, max_rank)
+    num_n_tiles = triton.cdiv(out_dim, cfg["BLOCK_N"])
+    grid = (triton.cdiv(max_seg_len, cfg["BLOCK_M"]) * num_n_tiles, num_segments)
+    _lora_expand_kernel[grid](
+        y, xa, b, seg_indptr, weight_indices, ranks, scalings, offsets_ptr,
+        out_dim, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), scalings.stride(0),
+        SLICE_OFFSETS=offsets_const, NUM_SLICES=num_slices, MAX_RANK=max_rank,
+        NUM_N_TILES=num_n_tiles, **cfg)

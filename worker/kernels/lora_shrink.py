@@ -1,0 +1,99 @@
+"""LoRA shrink over token segments: xa = x @ A^T with each segment's adapter, all slices in one launch.
+
+Semantics:
+    R = a.shape[1] // num_slices                      (slot rank, = max_lora_rank)
+    for i in range(num_segments):
+        w = weight_indices[i]; rank = ranks[w] if w >= 0 else 0
+        for t in range(seg_indptr[i], seg_indptr[i+1]), s in range(num_slices), r in range(R):
+            xa[t, s*R + r] = x[t] @ a[w, s*R + r]  if r < rank  else  0
+
+Base-only segments (w = -1) and columns past a slot's rank are written as zeros, so a reused `out`
+buffer never leaks stale values. Rows of tokens outside every segment are not written.
+
+The grid depends only on host ints (num_segments, max_seg_len, R), so the launch can be captured in a
+CUDA graph; programs whose segment is empty or shorter than their tile exit after two loads, and
+tiles past the rank store zeros without reading x or a.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lora_shrink_kernel(
+        x_ptr, a_ptr, xa_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+        in_dim, stride_xm, stride_aw, stride_an, stride_xam,
+        MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (m_tile * NUM_N_TILES + n_tile, segment, slice) owns xa[m tile of the segment, slice cols n tile]
+    m_tile = tl.program_id(0) // NUM_N_TILES
+    n_tile = tl.program_id(0) % NUM_N_TILES
+    seg = tl.program_id(1)
+    s = tl.program_id(2)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    m0 = tl.load(seg_indptr_ptr + seg) + m_tile * BLOCK_M
+    if m0 >= seg_end:
+        return
+    w = tl.load(weight_indices_ptr + seg)
+    rank = tl.where(w >= 0, tl.load(ranks_ptr + tl.maximum(w, 0)), 0)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)     # rank index within the slice
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < seg_end
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if n_tile * BLOCK_N < rank:
+        mask_n = offs_n < rank
+        # x_ptrs: [BLOCK_M, BLOCK_K]; a_ptrs: [BLOCK_K, BLOCK_N] (A rows read transposed)
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        a_ptrs = (a_ptr + w.to(tl.int64) * stride_aw + (s * MAX_RANK + offs_n)[None, :] * stride_an
+                  + offs_k[:, None])
+        for k0 in range(0, in_dim, BLOCK_K):
+            mask_k = offs_k < in_dim - k0
+            x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            a_tile = tl.load(a_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc += tl.dot(x_tile, a_tile, input_precision="ieee")
+            x_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+    xa_ptrs = xa_ptr + offs_m.to(tl.int64)[:, None] * stride_xam + (s * MAX_RANK + offs_n)[None, :]
+    tl.store(xa_ptrs, acc.to(xa_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < MAX_RANK)[None, :])
+
+
+def _config(max_seg_len: int, max_rank: int, in_dim: int) -> dict:
+    """Decode (short segments): skinny tiles, long K steps; prefill: taller tiles reused over K."""
+    k_cap = max(16, triton.next_power_of_2(in_dim))
+    n_cap = max(16, triton.next_power_of_2(max_rank))
+    if max_seg_len <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=min(256, k_cap), num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=min(32, n_cap), BLOCK_K=min(64, k_cap), num_warps=4, num_stages=3)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
+                ranks: torch.Tensor, num_slices: int, num_segments: int, max_seg_len: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """xa for all slices of one fused projection in one launch; no host-device sync.
+
+    x: [num_tokens, in_dim]; a: [num_slots, num_slices * R, in_dim]; seg_indptr: [>= num_segments + 1] int32;
+    weight_indices: [>= num_segments] int32 (-1 = base only); ranks: [num_slots] int32.
+    num_segments, max_seg_len: host upper bounds that size the grid (segments past the real ones must have
+    empty token ranges; max_seg_len must be >= every segment's length).
+    out: optional preallocated [num_tokens, num_slices * R] buffer, returned. -> xa
+    """
+    num_tokens, in_dim = x.shape
+    max_rank = a.shape[1] // num_slices
+    assert a.shape[1] == num_slices * max_rank and a.shape[2] == in_dim, "a must be [slots, slices * R, in_dim]"
+    assert x.stride(1) == 1 and a.stride(2) == 1, "x and a need a contiguous last dim"
+    xa = out if out is not None else x.new_empty(num_tokens, num_slices * max_rank)
+    assert xa.shape == (num_tokens, num_slices * max_rank) and xa.stride(1) == 1
+    if num_segments == 0 or max_seg_len == 0:
+        return xa
+    cfg = _config(max_seg_len, max_rank, in_dim)
+    num_n_tiles = triton.cdiv(max_rank, cfg["BLOCK_N"])
+    grid = (triton.cdiv(max_seg_len, cfg["BLOCK_M"]) * num_n_tiles, num_segments, num_slices)
+    _lora_shrink_kernel[grid](
+        x, a, xa, seg_indptr, weight_indices, ranks,
+        in_dim, x.stride(0), a.stride(0), a.stride(1), xa.stride(0),
+        MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, **cfg)
+    return xa
