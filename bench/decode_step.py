@@ -66,26 +66,10 @@ def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: i
         t0 = time.perf_counter()
         engine.step()
         wall.append(time.perf_counter() - t0)
-    replay_ms = replay_time_ms(engine, batch, any(a is not None for a in adapters))
     for request_id in list(engine._requests):
         engine.abort_request(request_id)
     return {"batch": batch, "step_ms_median": 1e3 * statistics.median(wall),
-            "step_ms_mean": 1e3 * statistics.fmean(wall), "replay_ms": replay_ms}
-
-
-def replay_time_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float | None:
-    graphs = engine.runner.graph_runner
-    if graphs is None:
-        return None
-    bucket = next(b for b in graphs.buckets if b >= batch)
-    graph, _ = graphs.graphs[(bucket, lora)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+            "step_ms_mean": 1e3 * statistics.fmean(wall)}
 
 
 def weight_bytes(engine: Engine) -> int:

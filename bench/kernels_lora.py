@@ -35,20 +35,25 @@ class Case:
 
     @property
     def name(self) -> str:
-        kind = "decode" if max(self.seg_lens) == 1 else "prefill"
-        return f"{self.projection}-{kind}-t{sum(self.seg_lens)}-a{self.num_adapters}-r{self.rank}"
+        longest = max(self.seg_lens)
+        kind = "decode" if longest == 1 else "short" if longest <= 16 else "prefill"
+        return f"{self.projection}-{kind}-t{sum(self.seg_lens)}-a{self.num_adapters}-r{self.rank}-R{self.max_rank}"
 
 
 CASES = [
     Case("qkv", (1,), 1, 16),
     Case("qkv", (1,) * 32, 32, 16),
+    Case("qkv", (1,) * 32, 32, 16, max_rank=16),
     Case("qkv", (1,) * 32, 32, 128),
     Case("qkv", (1,) * 64, 8, 64),
+    Case("qkv", (4,) * 8, 8, 16),
     Case("gate_up", (1,) * 32, 32, 16),
+    Case("gate_up", (1,) * 32, 32, 16, max_rank=16),
     Case("down", (1,) * 32, 32, 16),
     Case("qkv", (512,), 1, 16),
     Case("qkv", (128,) * 4, 4, 64),
     Case("gate_up", (512,), 1, 16),
+    Case("gate_up", (512,), 1, 16, max_rank=16),
     Case("down", (256, 1, 1, 1, 1, 128), 6, 32),
 ]
 
@@ -134,8 +139,8 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> Result:
 
 
 def _table(results: list[Result]) -> str:
-    head = f"{'case':<34}{'shrink us':>10}{'expand us':>10}{'total us':>10}{'MB':>8}{'GB/s':>8}"
-    rows = [f"{r.case:<34}{r.shrink_us:>10.2f}{r.expand_us:>10.2f}{r.total_us:>10.2f}"
+    head = f"{'case':<40}{'shrink us':>10}{'expand us':>10}{'total us':>10}{'MB':>8}{'GB/s':>8}"
+    rows = [f"{r.case:<40}{r.shrink_us:>10.2f}{r.expand_us:>10.2f}{r.total_us:>10.2f}"
             f"{r.bytes / 1e6:>8.2f}{r.gbps:>8.1f}" for r in results]
     return "\n".join([head, *rows])
 

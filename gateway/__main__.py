@@ -40,11 +40,18 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
         help="adapters loaded at startup: name=path, or JSON "
              '\'{"name": "..", "path": "..", "base_model_name": "..", "pinned": true}\'')
     add("--lora-dir", action="append", help="a directory runtime adapter loads may read from (repeatable); "
-                                            "without any, runtime loads may read any path")
+                                            "without any, runtime loads may read any path. A request naming "
+                                            "an unknown model that is an adapter directory here loads it")
     add("--enable-lora", action="store_true", help="accepted for vLLM compatibility; LoRA is always enabled")
     add("--max-loras", type=int, default=LoRAConfig.max_loras, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras, help="adapters cached in host memory")
     add("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank)
+    add("--enable-lora-overlap-loading", action=argparse.BooleanOptionalAction,
+        default=LoRAConfig.enable_lora_overlap_loading,
+        help="load adapters on a side stream while other requests run, prefetching for queued requests; "
+             "--no-enable-lora-overlap-loading loads them inside the step that needs them")
+    add("--lora-eviction-policy", choices=("lru", "fifo"), default=LoRAConfig.lora_eviction_policy,
+        help="which unused adapter leaves a full GPU slot pool")
     add("--max-model-len", type=int, default=ModelConfig.max_model_len, help="default: from config.json")
     add("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     add("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)

@@ -1,8 +1,9 @@
 """Names the gateway serves: the base model's names and the adapters loaded on top of it.
 
-A request's `model` is a served base name (no adapter), an adapter name, or `base:adapter`.
-The registry also writes vLLM's model cards for /v1/models, with each adapter's lineage
-(root = its path, parent = its base model).
+A request's `model` is a served base name (no adapter), an adapter name, or `base:adapter`. An
+unknown name that is an adapter directory under a --lora-dir root is registered on first use; the
+worker, which knows the same roots, loads it when the request arrives. The registry also writes
+vLLM's model cards for /v1/models, with each adapter's lineage (root = its path, parent = its base model).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.protocol import model_not_found
+from worker.config import LoRAConfig
 
 
 @dataclass(frozen=True)
@@ -26,9 +28,10 @@ class Adapter:
 
 
 class AdapterRegistry:
-    def __init__(self, served_names: tuple[str, ...], model_path: str):
+    def __init__(self, served_names: tuple[str, ...], model_path: str, lora_dirs: tuple[str, ...] = ()):
         self.served_names = served_names
         self.model_path = model_path
+        self._roots = LoRAConfig(lora_dirs=lora_dirs)   # find_adapter_dir: the worker's own lookup rule
         self.created = int(time.time())
         self._adapters: dict[str, Adapter] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -39,6 +42,12 @@ class AdapterRegistry:
 
     def __contains__(self, name: str) -> bool:
         return name in self._adapters
+
+    def get(self, name: str) -> Adapter | None:
+        return self._adapters.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._adapters)
 
     def add(self, name: str, path: str, base_model_name: str | None = None, pinned: bool = False) -> None:
         base = base_model_name if base_model_name in self.served_names else self.base_name
@@ -61,7 +70,11 @@ class AdapterRegistry:
             adapter = model.removeprefix(base + ":")
             if adapter != model and adapter in self._adapters:
                 return adapter
-        raise model_not_found(model)
+        path = self._roots.find_adapter_dir(model)
+        if path is None:
+            raise model_not_found(model)
+        self.add(model, path)
+        return model
 
     def cards(self, max_model_len: int) -> list[dict[str, Any]]:
         base_cards = [_card(name, self.created, self.model_path, None, max_model_len)

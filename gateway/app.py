@@ -20,7 +20,7 @@ from gateway.adapters import AdapterRegistry
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
 from gateway.protocol import APIError, check_token_ids
-from gateway.routes import chat, completions, health, lora, models, tokenize
+from gateway.routes import adapters, chat, completions, health, lora, models, tokenize
 from gateway.sse import json_response
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import AddRequest, SamplingParams
@@ -35,7 +35,7 @@ class ServingContext:
         self.config = config
         self.client = client                     # gateway.worker_client.WorkerClient or a stand-in
         self.tokenizer = tokenizer
-        self.models = AdapterRegistry(config.served_names, config.model)
+        self.models = AdapterRegistry(config.served_names, config.model, config.lora_dirs)
         self.metrics = Metrics(config.served_names[0], config.max_loras)
 
     @property
@@ -133,8 +133,8 @@ def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = 
     if not config.lora_dirs:
         logger.warning("Runtime LoRA loading may read any path (no --lora-dir given).")
     app = Starlette(
-        routes=[*completions.routes, *chat.routes, *models.routes, *lora.routes, *tokenize.routes,
-                *health.routes],
+        routes=[*completions.routes, *chat.routes, *models.routes, *lora.routes, *adapters.routes,
+                *tokenize.routes, *health.routes],
         middleware=[Middleware(AuthMiddleware, api_key=config.api_key)] if config.api_key else [],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan)

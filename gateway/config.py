@@ -14,7 +14,7 @@ class LoRAModule:
     name: str
     path: str
     base_model_name: str | None = None
-    pinned: bool = False        # never evicted from the host cache
+    pinned: bool = False        # never evicted from the host cache or its GPU slot
 
 
 def parse_lora_module(text: str) -> LoRAModule:
@@ -45,6 +45,8 @@ class GatewayConfig:
     max_loras: int = LoRAConfig.max_loras
     max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
     max_lora_rank: int = LoRAConfig.max_lora_rank
+    enable_lora_overlap_loading: bool = LoRAConfig.enable_lora_overlap_loading
+    lora_eviction_policy: str = LoRAConfig.lora_eviction_policy
     max_model_len: int | None = ModelConfig.max_model_len
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
@@ -75,7 +77,9 @@ class GatewayConfig:
                               max_model_len=self.max_model_len, seed=self.seed),
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                            max_cpu_loras=self.max_cpu_loras),
+                            max_cpu_loras=self.max_cpu_loras,
+                            enable_lora_overlap_loading=self.enable_lora_overlap_loading,
+                            lora_eviction_policy=self.lora_eviction_policy, lora_dirs=self.lora_dirs),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens),
             device=self.device,
@@ -89,6 +93,8 @@ class GatewayConfig:
             served_model_names=tuple(args.served_model_name or ()),
             lora_modules=tuple(args.lora_modules or ()), lora_dirs=tuple(args.lora_dir or ()),
             max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+            enable_lora_overlap_loading=args.enable_lora_overlap_loading,
+            lora_eviction_policy=args.lora_eviction_policy,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,

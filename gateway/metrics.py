@@ -1,7 +1,9 @@
 """Prometheus metrics with vLLM's names, rendered in the text exposition format.
 
 Counted per worker request (one per choice), as vLLM counts engine requests. Gauges of the queue
-come from the worker's latest Stats; `loraplex:` metrics count requests and tokens per adapter.
+come from the worker's latest Stats; `loraplex:` metrics count requests and tokens per adapter, and
+describe the adapter tiers (GPU slots, host cache) with hits, misses, loads, evictions and load
+latency per tier, from the worker's LoRAStats.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from worker.ipc.messages import Stats
+from worker.ipc.messages import LoRAStats, Stats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -39,6 +41,13 @@ class Histogram:
         lines.append(f"{name}_sum{{{labels}}} {self.sum}")
         lines.append(f"{name}_count{{{labels}}} {cumulative}")
         return lines
+
+    @classmethod
+    def of(cls, buckets: list[float], counts: list[int], total: float) -> Histogram:
+        """A histogram observed elsewhere: per-bucket (not cumulative) counts, the last one +Inf."""
+        histogram = cls(tuple(buckets))
+        histogram.counts, histogram.sum = list(counts), total
+        return histogram
 
 
 @dataclass
@@ -126,7 +135,32 @@ class Metrics:
             _family(out, name, "counter", help_text,
                     [f'{name}_total{{{model},lora_name="{_escape(lora)}"}} {count}'
                      for lora, count in sorted(counter.items())])
+        if stats.lora is not None:
+            _adapter_tiers(out, model, stats.lora)
         return "\n".join(out) + "\n"
+
+
+def _adapter_tiers(out: list[str], model: str, lora: LoRAStats) -> None:
+    for name, value, help_text in (
+            ("loraplex:lora_gpu_slots_used", lora.gpu_slots_used, "GPU LoRA slots holding an adapter."),
+            ("loraplex:lora_gpu_slots_total", lora.gpu_slots_total, "GPU LoRA slots (--max-loras)."),
+            ("loraplex:lora_host_cache_adapters", lora.host_entries, "Adapters in the host cache."),
+            ("loraplex:lora_host_cache_bytes", lora.host_bytes, "Bytes of adapters in the host cache.")):
+        _family(out, name, "gauge", help_text, [f"{name}{{{model}}} {value}"])
+    tiers = {"gpu": lora.gpu, "host": lora.host}
+    for name, field, help_text in (
+            ("loraplex:lora_cache_hits", "hits", "Requests whose adapter was in the tier when they arrived."),
+            ("loraplex:lora_cache_misses", "misses", "Requests whose adapter was not in the tier when they arrived."),
+            ("loraplex:lora_loads", "loads", "Adapter loads into the tier."),
+            ("loraplex:lora_loaded_bytes", "loaded_bytes", "Bytes of adapters loaded into the tier."),
+            ("loraplex:lora_evictions", "evictions", "Adapters evicted from the tier.")):
+        _family(out, name, "counter", help_text,
+                [f'{name}_total{{{model},tier="{tier}"}} {getattr(stats, field)}' for tier, stats in tiers.items()])
+    name = "loraplex:lora_load_latency_seconds"
+    _family(out, name, "histogram", "Adapter load time into the tier (disk read and pack; host-to-GPU copy).",
+            [line for tier, stats in tiers.items()
+             for line in Histogram.of(lora.load_seconds_buckets, stats.load_seconds_counts,
+                                      stats.load_seconds_sum).samples(name, f'{model},tier="{tier}"')])
 
 
 def _family(out: list[str], name: str, kind: str, help_text: str, samples: list[str]) -> None:

@@ -107,10 +107,13 @@ class Worker:
                                     num_prompt_tokens=len(request.prompt_token_ids)))
 
     def _adapter_command(self, engine: Engine, command: AdapterCommand) -> AdapterCommandResult:
-        if command.op not in ("load", "unload"):
+        if command.op not in ("load", "unload", "list"):
             return AdapterCommandResult(command.command_id, ok=False, status_code=400,
-                                        message=f"Unknown adapter command {command.op!r}; expected 'load' or 'unload'.")
+                                        message=f"Unknown adapter command {command.op!r}; "
+                                                "expected 'load', 'unload' or 'list'.")
         try:
+            if command.op == "list":
+                return AdapterCommandResult(command.command_id, ok=True, adapters=engine.adapter_states())
             if command.op == "load":
                 engine.add_adapter(command.name, command.path, load_inplace=command.load_inplace,
                                    pinned=command.pinned)
@@ -124,8 +127,9 @@ class Worker:
         return AdapterCommandResult(command.command_id, ok=True)
 
     def _send_stats_if_changed(self, engine: Engine) -> None:
+        lora_stats = getattr(engine, "lora_stats", None)    # stand-in engines have no adapter tiers
         stats = Stats(engine.num_running, engine.num_waiting, list(engine.running_adapter_names()),
-                      list(engine.waiting_adapter_names()))
+                      list(engine.waiting_adapter_names()), lora_stats() if lora_stats else None)
         if stats != self._stats:
             self.send(stats)
             self._stats = stats

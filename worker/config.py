@@ -6,6 +6,7 @@ that computes them, never written back here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,22 @@ class LoRAConfig:
     max_loras: int = 4            # GPU slots; also the cap on distinct adapters in one batch
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # host cache entries; None: no bound
+    enable_lora_overlap_loading: bool = True  # False: adapters load inside the step that admits them
+    lora_eviction_policy: str = "lru"         # lru | fifo, among GPU slots no running request uses
+    lora_dirs: tuple[str, ...] = ()           # roots where an unknown adapter name is looked up on first use
+    lora_load_workers: int = 2                # threads reading adapters from disk into the host cache
+
+    def find_adapter_dir(self, name: str) -> str | None:
+        """The directory `root/name` holding adapter_config.json under the first root that has one;
+        `name` is relative and must stay inside the root."""
+        if Path(name).is_absolute():
+            return None
+        for root in map(Path, self.lora_dirs):
+            path = (root / name).resolve()
+            if path.is_relative_to(root.resolve()) and path != root.resolve() and \
+                    (path / "adapter_config.json").is_file():
+                return str(path)
+        return None
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,31 @@
 """The offline engine: add requests and adapters, step, get per-request outputs.
 
     batch = scheduler.schedule(); out = runner.execute(batch); scheduler.update(batch, out.token_ids)
+
+Adapters live in three tiers: registered on disk (validated, no weights read), packed in the host
+cache (lora/host_cache.py, filled by lora/loader.py's threads), and in a GPU slot (lora/gpu_pool.py,
+filled by one copy on a side stream). The scheduler decides which slot gets which adapter; the engine
+carries the loads out, between `schedule()` and the forward pass, and files them as they finish.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
+from worker.batch import ScheduledBatch
 from worker.config import WorkerConfig
-from worker.ipc.messages import RequestOutput, SamplingParams
+from worker.ipc.messages import AdapterState, LoRAStats, LoRATierStats, RequestOutput, SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
-from worker.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from worker.lora.adapter import AdapterError, AdapterSpec, inspect_adapter
+from worker.lora.host_cache import HostAdapter, HostCache
+from worker.lora.loader import AdapterLoader, PackedReader
+from worker.lora.prefetcher import Prefetcher
 from worker.lora.slot_table import SlotTable
 from worker.model_runner.runner import ModelRunner
 from worker.models.hf_config import ArchConfig
@@ -24,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
+IDLE_LOAD_WAIT_S = 0.05      # with nothing to run, a step waits this long at most for an adapter load
+LOAD_POLL_S = 0.0005
+LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,6 +61,39 @@ def resolve_dtype(name: str, checkpoint: torch.dtype, device: torch.device) -> t
     return torch.bfloat16 if checkpoint == torch.float32 else checkpoint
 
 
+@dataclass
+class AdapterVersion:
+    """One registered version of an adapter name (engine bookkeeping)."""
+    spec: AdapterSpec
+    version: int                     # 1 when the name is first loaded, +1 per load_inplace
+    pinned: bool
+    users: int = 0                   # unfinished requests on this version
+    last_used: float | None = None   # unix time of its latest request
+    disk_load_s: float | None = None
+    gpu_load_s: float | None = None
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    loaded_bytes: int = 0
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_SECONDS_BUCKETS) + 1))
+    latency_sum: float = 0.0
+
+    def observe(self, seconds: float, num_bytes: int) -> None:
+        self.loads += 1
+        self.loaded_bytes += num_bytes
+        self.latency_counts[bisect.bisect_left(LOAD_SECONDS_BUCKETS, seconds)] += 1
+        self.latency_sum += seconds
+
+    def message(self, evictions: int) -> LoRATierStats:
+        return LoRATierStats(hits=self.hits, misses=self.misses, loads=self.loads, loaded_bytes=self.loaded_bytes,
+                             evictions=evictions, load_seconds_counts=list(self.latency_counts),
+                             load_seconds_sum=self.latency_sum)
+
+
 class Engine:
     def __init__(self, config: WorkerConfig):
         self.config = config
@@ -56,45 +105,125 @@ class Engine:
         self.eos_token_ids = list(self.arch.eos_token_ids)
         self.runner = ModelRunner(config, self.arch, self.device, self.dtype, self.max_model_len)
         self.num_kv_blocks = self.runner.num_kv_blocks
+        lora = config.lora
+        self.host_cache = HostCache(lora.max_cpu_loras)
+        reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda")
+        self.loader = AdapterLoader(reader, self.host_cache, lora.lora_load_workers)
+        slots = SlotTable(lora.max_loras, lora.lora_eviction_policy)
+        prefetcher = (Prefetcher(slots, self.host_cache, self.loader, window=max(2 * lora.max_loras, 8),
+                                 max_reads=2 * lora.lora_load_workers)
+                      if lora.enable_lora_overlap_loading else None)
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, config.lora, allocator, SlotTable(config.lora.max_loras))
+        self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher)
         self._adapter_refs: dict[str, AdapterRef] = {}          # registered name -> current version
-        self._adapters: dict[int, LoRAAdapter] = {}             # uid -> weights (live versions only)
-        self._uid_users: dict[int, int] = {}                    # uid -> unfinished requests using it
+        self._versions: dict[AdapterRef, AdapterVersion] = {}   # live versions (current, or still in use)
+        self._copies_in_flight = 0
+        self._tiers = {"host": TierCounters(), "gpu": TierCounters()}
         self._uids = itertools.count(1)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
-        logger.info("engine ready: %s on %s (%s), %d KV blocks", self.arch.architecture, self.device,
-                    self.dtype, self.num_kv_blocks)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads", self.arch.architecture,
+                    self.device, self.dtype, self.num_kv_blocks,
+                    "overlapped" if prefetcher is not None else "blocking")
 
     # adapters
 
     def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
+        """Validate and register an adapter; its weights are read when a request first needs them."""
         if name in self._adapter_refs and not load_inplace:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                "adapter in place, set 'load_inplace' to True.")
-        adapter = load_adapter(name, path, self.arch, self.config.lora.max_lora_rank, self.dtype)
+        spec = inspect_adapter(name, path, self.arch, self.config.lora.max_lora_rank)
+        if pinned:
+            self._check_pin_room(name)
         old = self._adapter_refs.get(name)
         ref = AdapterRef(name, next(self._uids))
         self._adapter_refs[name] = ref
-        self._adapters[ref.uid] = adapter
-        self._uid_users[ref.uid] = 0
+        self._versions[ref] = AdapterVersion(spec, 1 if old is None else self._versions[old].version + 1, pinned)
+        self.loader.register(ref, spec)
+        if pinned:
+            self.scheduler.slots.pin(ref)
+            self.host_cache.pin(ref)
         if old is not None:
             self._release_version(old)
-        logger.info("adapter %s (rank %d, %s) registered from %s", name, adapter.rank,
-                    ",".join(adapter.target_modules), path)
+        logger.info("adapter %s (rank %d, %s) registered from %s", name, spec.rank,
+                    ",".join(spec.target_modules), path)
 
     def remove_adapter(self, name: str) -> None:
+        """Unregister `name`: new requests get 404, unfinished ones finish, then its memory is freed."""
         ref = self._adapter_refs.pop(name, None)
         if ref is None:
             raise AdapterError(f"The lora adapter '{name}' cannot be found.", status_code=404)
         self._release_version(ref)
 
+    def adapter_states(self) -> list[AdapterState]:
+        """Where each registered adapter stands, by name."""
+        running = Counter(r.adapter for r in self.scheduler.running)
+        waiting = Counter(r.adapter for r in self.scheduler.waiting)
+        return [self._state(ref, running[ref], waiting[ref]) for _, ref in sorted(self._adapter_refs.items())]
+
+    def lora_stats(self) -> LoRAStats:
+        tiers = self._tiers
+        return LoRAStats(gpu_slots_used=self.scheduler.slots.num_used,
+                         gpu_slots_total=self.scheduler.slots.num_slots, host_entries=len(self.host_cache),
+                         host_capacity=self.host_cache.capacity, host_bytes=self.host_cache.num_bytes,
+                         load_seconds_buckets=list(LOAD_SECONDS_BUCKETS),
+                         host=tiers["host"].message(self.host_cache.evictions),
+                         gpu=tiers["gpu"].message(self.scheduler.slots.evictions))
+
+    def _state(self, ref: AdapterRef, num_running: int, num_waiting: int) -> AdapterState:
+        v, slots = self._versions[ref], self.scheduler.slots
+        residency = ("gpu" if slots.is_loaded(ref) else "host" if self.host_cache.is_filled(ref) else "disk")
+        loading = slots.is_loading(ref) or (ref in self.host_cache and not self.host_cache.is_filled(ref))
+        return AdapterState(name=ref.name, path=v.spec.path, version=v.version, residency=residency,
+                            loading=loading, slot=slots.slot_of(ref), rank=v.spec.rank,
+                            target_modules=list(v.spec.target_modules), pinned=v.pinned, last_used=v.last_used,
+                            disk_load_ms=_ms(v.disk_load_s), gpu_load_ms=_ms(v.gpu_load_s),
+                            num_running=num_running, num_waiting=num_waiting)
+
+    def _check_pin_room(self, name: str) -> None:
+        """At least one GPU slot and one host-cache entry must stay free of pinned adapters."""
+        pinned = sum(self._versions[ref].pinned for n, ref in self._adapter_refs.items() if n != name)
+        lora = self.config.lora
+        room = min(lora.max_loras, lora.max_cpu_loras or lora.max_loras)
+        if pinned + 1 >= room:
+            raise AdapterError(f"Cannot pin LoRA adapter '{name}': {pinned} adapters are pinned already, and "
+                               f"at least one of the {room} adapter places (--max-loras, --max-cpu-loras) must "
+                               "stay free for unpinned adapters.")
+
     def _release_version(self, ref: AdapterRef) -> None:
         """Forget an old version once no unfinished request runs on it."""
-        if self._uid_users.get(ref.uid, 0) == 0 and ref.uid in self._adapters:
-            del self._adapters[ref.uid], self._uid_users[ref.uid]
-            self.scheduler.slots.drop(ref)
+        version = self._versions.get(ref)
+        if version is None or version.users > 0:
+            return
+        del self._versions[ref]
+        for tier in (self.scheduler.slots, self.host_cache):
+            tier.drop(ref)
+            tier.unpin(ref)
+        self.loader.forget(ref)
+
+    def _resolve_adapter(self, name: str) -> AdapterRef:
+        """The current version of `name`, auto-loaded from a --lora-dir root on first use."""
+        ref = self._adapter_refs.get(name)
+        if ref is None:
+            path = self.config.lora.find_adapter_dir(name)
+            if path is None:
+                raise AdapterError(f"The model `{name}` does not exist.", status_code=404)
+            self.add_adapter(name, path)
+            ref = self._adapter_refs[name]
+        v = self._versions[ref]
+        v.users += 1
+        v.last_used = time.time()
+        gpu, host = self._tiers["gpu"], self._tiers["host"]
+        if self.scheduler.slots.slot_of(ref) is not None:
+            gpu.hits += 1
+        else:
+            gpu.misses += 1
+            if ref in self.host_cache:
+                host.hits += 1
+            else:
+                host.misses += 1
+        return ref
 
     # requests
 
@@ -103,12 +232,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
-        ref = None
-        if lora_name is not None:
-            ref = self._adapter_refs.get(lora_name)
-            if ref is None:
-                raise AdapterError(f"The model `{lora_name}` does not exist.", status_code=404)
-            self._uid_users[ref.uid] += 1
+        ref = None if lora_name is None else self._resolve_adapter(lora_name)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), ref,
                           tuple(self.eos_token_ids), self.max_model_len)
         self._requests[request_id] = request
@@ -143,22 +267,111 @@ class Engine:
     # the step
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        for ref, slot in batch.adapter_loads:
-            self.runner.load_adapter(slot, self._adapters[ref.uid])
+        """One forward pass. When nothing can run while an adapter load is in flight, waits for the load
+        (up to IDLE_LOAD_WAIT_S) instead of returning empty-handed at once."""
+        outputs: list[RequestOutput] = []
+        deadline = time.monotonic() + IDLE_LOAD_WAIT_S
+        while True:
+            self._collect_loads(outputs)
+            batch = self.scheduler.schedule()
+            self._start_loads(batch, outputs)
+            if not batch.is_empty or not self._await_load(deadline, outputs):
+                break
+            outputs += self._finish(batch, {}, [])     # every schedule() is followed by update()
         logprobs, token_ids = {}, []
         if not batch.is_empty:
+            self.runner.wait_for_adapters({s.lora_slot for s in batch.seqs if s.lora_slot >= 0})
             result = self.runner.execute(batch)
             for request_id, scored in result.prompt_logprobs.items():
                 self._requests[request_id].prompt_logprobs += scored
             sampling = [s.request.request_id for s in batch.seqs if s.samples]
             logprobs, token_ids = dict(zip(sampling, result.logprobs)), result.token_ids
+        return outputs + self._finish(batch, logprobs, token_ids)
+
+    def _finish(self, batch: ScheduledBatch, logprobs: dict, token_ids: list[int]) -> list[RequestOutput]:
         updated = self.scheduler.update(batch, token_ids)
         outputs = [self._output(request, logprobs) for request in updated]
         for request in updated:
             if request.is_finished:
                 self._forget(request)
         return outputs
+
+    def _start_loads(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
+        """Issue the batch's slot loads. Blocking loads read a missing adapter from disk here."""
+        for ref, slot in batch.adapter_loads:
+            entry = self.host_cache.get(ref)
+            if entry is None:
+                try:
+                    entry = self._read_now(ref)
+                except Exception as e:    # a directory that changed since it was registered
+                    outputs += self._fail_adapter(ref, str(e), batch)
+                    continue
+            self.runner.load_adapter(slot, entry.packed, entry.rank, ref)
+            self._copies_in_flight += 1
+
+    def _read_now(self, ref: AdapterRef) -> HostAdapter:
+        cached = self.host_cache.reserve(ref)
+        try:
+            entry, seconds = self.loader.read_now(ref)
+        except Exception:
+            self.host_cache.drop(ref)
+            raise
+        if cached:
+            self.host_cache.fill(ref, entry)
+        self._loaded(ref, "host", seconds, entry.num_bytes)
+        return entry
+
+    def _collect_loads(self, outputs: list[RequestOutput]) -> bool:
+        """File finished disk reads and slot copies; True if any finished. A failed read ends the
+        adapter's requests with an error."""
+        reads = self.loader.poll()
+        for read in reads:
+            if read.error is not None:
+                outputs += self._fail_adapter(read.ref, read.error)
+            else:
+                self._loaded(read.ref, "host", read.seconds, read.entry.num_bytes)
+        copies = self.runner.finished_adapter_loads()
+        self._copies_in_flight -= len(copies)
+        for load in copies:
+            if self.scheduler.slots.mark_loaded(load.key):
+                self._loaded(load.key, "gpu", load.seconds, load.source.numel())
+        return bool(reads or copies)
+
+    def _await_load(self, deadline: float, outputs: list[RequestOutput]) -> bool:
+        """Wait for the next adapter load to finish; False if none is in flight or the deadline passed."""
+        while self.loader.num_in_flight or self._copies_in_flight:
+            if self._collect_loads(outputs):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if self.loader.num_in_flight:
+                self.loader.wait(LOAD_POLL_S)
+            else:
+                time.sleep(LOAD_POLL_S)
+        return False
+
+    def _loaded(self, ref: AdapterRef, tier: str, seconds: float, num_bytes: int) -> None:
+        self._tiers[tier].observe(seconds, num_bytes)
+        version = self._versions.get(ref)
+        if version is None:
+            return
+        if tier == "host":
+            version.disk_load_s = seconds
+        else:
+            version.gpu_load_s = seconds
+
+    def _fail_adapter(self, ref: AdapterRef, error: str, batch: ScheduledBatch | None = None) -> list[RequestOutput]:
+        """End every unfinished request of `ref` with an error: its weights could not be read."""
+        message = f"Loading LoRA adapter '{ref.name}' failed: {error}"
+        failed = [r for r in self._requests.values() if r.adapter == ref]
+        if batch is not None:
+            batch.seqs = [s for s in batch.seqs if s.request.adapter != ref]
+        for request in failed:
+            self.scheduler.abort_request(request.request_id)
+            self._forget(request)
+        self.scheduler.slots.drop(ref)     # blocking loads gave it a slot it never got weights for
+        return [RequestOutput(r.request_id, [], finish_reason="error", error=message,
+                              num_prompt_tokens=r.num_prompt_tokens) for r in failed]
 
     def _output(self, request: Request, logprobs: dict) -> RequestOutput:
         if request.finish_reason == "error":   # the scheduler found it can never fit in the KV pool
@@ -176,8 +389,12 @@ class Engine:
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
-        ref = request.adapter
-        if ref is not None and ref.uid in self._uid_users:
-            self._uid_users[ref.uid] -= 1
-            if self._adapter_refs.get(ref.name) != ref:
-                self._release_version(ref)
+        version = None if request.adapter is None else self._versions.get(request.adapter)
+        if version is not None:
+            version.users -= 1
+            if self._adapter_refs.get(request.adapter.name) != request.adapter:
+                self._release_version(request.adapter)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 3)

@@ -38,16 +38,17 @@ class Scenario:
 
 
 SCENARIOS = {
-    "decode-distinct-ranks4+16": Scenario((1,) * 8, (2, 5), "distinct", (4, 16)),
-    "decode-uniform-ranks4+16": Scenario((1,) * 8, (0,), "uniform", (16, 4)),
-    "decode-identical": Scenario((1,) * 8, (3,), "identical", (16,)),
-    "decode-zipf-ranks4+16": Scenario((1,) * 8, (6,), "zipf", (4, 16)),
+    "decode-distinct-ranks4+16": Scenario((1,) * 6, (2, 5), "distinct", (4, 16)),
+    "decode-uniform-ranks4+16": Scenario((1,) * 6, (0,), "uniform", (16, 4)),
+    "decode-identical": Scenario((1,) * 6, (3,), "identical", (16,)),
+    "decode-zipf-ranks4+16": Scenario((1,) * 6, (4,), "zipf", (4, 16)),
     "decode-graph-padded": Scenario((1,) * 5, (1,), "uniform", (4, 16), pad_segments=3, pad_tokens=3),
-    "decode-zipf-R128": Scenario((1,) * 6, (4,), "zipf", (8, 72, 128), max_rank=128),
+    "decode-zipf-R128": Scenario((1,) * 4, (2,), "zipf", (8, 24, 72, 128), max_rank=128),
+    "decode-merged-uniform-ranks4+16": Scenario((3, 1, 5, 2, 1), (3,), "uniform", (4, 16)),  # runs of one adapter
     "prefill-distinct-ranks4+16": Scenario((19, 5, 33, 1), (1,), "distinct", (4, 16)),
     "prefill-identical": Scenario((40, 17), (), "identical", (16,)),
     "prefill-zipf-ranks4+16": Scenario((3, 21, 1, 18, 9), (2,), "zipf", (16, 4)),
-    "prefill-uniform-R128": Scenario((20, 1, 9), (1,), "uniform", (8, 72, 128), max_rank=128),
+    "prefill-uniform-R128": Scenario((20, 1, 9, 30), (1,), "uniform", (8, 24, 72, 128), max_rank=128),
 }
 
 
@@ -211,7 +212,9 @@ def test_expand_reads_slice_offsets_from_device_tensor_like_tuple(widths):
     assert torch.equal(y_tensor, y_tuple)
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario", ["decode-distinct-ranks4+16", "decode-graph-padded",
+                                      "decode-merged-uniform-ranks4+16", "prefill-zipf-ranks4+16",
+                                      "prefill-uniform-R128"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shrink_then_expand_match_reference_module(dtype, scenario):
     """The kernels and worker/kernels/reference.py (run in float32) agree on the whole LoRA delta."""

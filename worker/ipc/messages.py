@@ -3,6 +3,7 @@
 The gateway imports this module, so it must stay free of torch and of anything that imports it.
 Gateway → worker: AddRequest, AbortRequest, AdapterCommand, Shutdown.
 Worker → gateway: Ready, StartupFailed, RequestOutput, AdapterCommandResult, Stats.
+AdapterState and LoRAStats ride inside AdapterCommandResult ("list") and Stats.
 """
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class AdapterCommand(msgspec.Struct, tag=True):
-    """load | unload an adapter by name; the worker answers with AdapterCommandResult(command_id)."""
+    """load | unload an adapter by name, or list them all; the worker answers with
+    AdapterCommandResult(command_id), whose `adapters` answer "list"."""
     command_id: int
-    op: str                      # "load" | "unload"
+    op: str                      # "load" | "unload" | "list"
     name: str
     path: str | None = None
     load_inplace: bool = False
@@ -91,11 +93,52 @@ class RequestOutput(msgspec.Struct, tag=True):
         return self.finish_reason is not None
 
 
+class AdapterState(msgspec.Struct, kw_only=True):
+    """Where one registered adapter (its current version) stands in the worker."""
+    name: str
+    path: str
+    version: int                        # 1 when first loaded, +1 per load_inplace
+    residency: str                      # "gpu" | "host" | "disk": the fastest tier holding its weights
+    loading: bool = False               # a copy into the next tier is in flight
+    slot: int | None = None             # its GPU slot while it has one
+    rank: int
+    target_modules: list[str]
+    pinned: bool = False
+    last_used: float | None = None      # unix time of its latest request
+    disk_load_ms: float | None = None   # its latest read from disk into the host cache
+    gpu_load_ms: float | None = None    # its latest host -> GPU copy
+    num_running: int = 0
+    num_waiting: int = 0
+
+
 class AdapterCommandResult(msgspec.Struct, tag=True):
     command_id: int
     ok: bool
     message: str = ""
     status_code: int = 200
+    adapters: list[AdapterState] = []   # the answer to "list"
+
+
+class LoRATierStats(msgspec.Struct, kw_only=True):
+    """Counters of one adapter tier ("host": disk -> host cache, "gpu": host -> GPU slot)."""
+    hits: int = 0                       # requests whose adapter was in the tier when they arrived
+    misses: int = 0
+    loads: int = 0                      # loads into the tier
+    loaded_bytes: int = 0
+    evictions: int = 0
+    load_seconds_counts: list[int] = []  # per bucket of LoRAStats.load_seconds_buckets, then +Inf
+    load_seconds_sum: float = 0.0
+
+
+class LoRAStats(msgspec.Struct, kw_only=True):
+    gpu_slots_used: int
+    gpu_slots_total: int
+    host_entries: int
+    host_capacity: int | None           # None: no bound
+    host_bytes: int
+    load_seconds_buckets: list[float]   # upper bounds of the load-latency histograms
+    host: LoRATierStats
+    gpu: LoRATierStats
 
 
 class Stats(msgspec.Struct, tag=True):
@@ -103,6 +146,7 @@ class Stats(msgspec.Struct, tag=True):
     num_waiting: int
     running_adapters: list[str] = []
     waiting_adapters: list[str] = []
+    lora: LoRAStats | None = None       # None from engines without adapter tiers
 
 
 ToWorker = AddRequest | AbortRequest | AdapterCommand | Shutdown

@@ -14,7 +14,7 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 MAX_KV_SPLITS = 16
-MASKED: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so a row that sees no key never does inf - inf
+MASKED: tl.constexpr = tl.constexpr(-1.0e30)  # initial running max: finite, so keyless rows never do inf - inf
 
 
 @triton.jit
@@ -194,12 +194,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
     assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the KV cache must share a dtype"
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    assert out.shape == q.shape and out.stride(2) == 1
     if num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
     splits = _num_kv_splits(num_seqs, num_kv_heads, max_query_len, q.device) if num_kv_splits is None \
         else num_kv_splits
     assert splits == 1 or max_query_len == 1, "KV splits are for decode batches (max_query_len == 1) only"
+    assert splits & (splits - 1) == 0, f"num_kv_splits must be a power of two, got {splits}"
     block_m, block_n, num_warps, num_stages = _tile_config(max_query_len, group, q.device)
     block_q = block_m // group
     d_pad = triton.next_power_of_2(head_dim)
@@ -234,12 +236,12 @@ def _tile_config(max_query_len: int, group: int, device: torch.device) -> tuple[
 
 
 def _num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
-    """Enough key splits that a decode batch fills about two waves of the GPU's SMs (power of two)."""
+    """Enough key splits that a decode batch gives every SM a program (power of two); measured on H100,
+    larger batches gain nothing from splitting (batch 32 x 8 KV heads is fastest unsplit)."""
     if device.type != "cuda" or max_query_len != 1:
         return 1
-    programs = num_seqs * num_kv_heads
-    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return min(MAX_KV_SPLITS, triton.next_power_of_2(math.ceil(target / programs)))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return min(MAX_KV_SPLITS, triton.next_power_of_2(math.ceil(sms / (num_seqs * num_kv_heads))))
 
 
 @functools.lru_cache(maxsize=None)

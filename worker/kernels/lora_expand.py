@@ -32,12 +32,32 @@ def _slice_bound(slice_offsets_ptr, SLICE_OFFSETS: tl.constexpr, s: tl.constexpr
 
 
 @triton.jit
+def _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, rank, stride_xam, stride_bo,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """xa[offs_m, xa_col0 : xa_col0 + rank] @ b_slot[offs_n, :rank]^T -> [BLOCK_M, BLOCK_N] float32."""
+    offs_r = tl.arange(0, BLOCK_R)
+    # xa_ptrs: [BLOCK_M, BLOCK_R]; b_ptrs: [BLOCK_R, BLOCK_N] (B rows read transposed)
+    xa_ptrs = xa_ptr + offs_m.to(tl.int64)[:, None] * stride_xam + xa_col0 + offs_r[None, :]
+    b_ptrs = b_slot_ptr + offs_n[None, :] * stride_bo + offs_r[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        mask_r = offs_r < rank - r0
+        xa_tile = tl.load(xa_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        b_tile = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.dot(xa_tile, b_tile, input_precision="ieee")
+        xa_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R
+    return acc
+
+
+@triton.jit
 def _lora_expand_kernel(
         y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
         out_dim, stride_ym, stride_xam, stride_bw, stride_bo, stride_sw,
-        SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr,
-        NUM_N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile]
+        SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
+    # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile];
+    # ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by BLOCK_R_HIGH (fewer, wider steps)
     m_tile = tl.program_id(0) // NUM_N_TILES
     n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
     seg = tl.program_id(1)
@@ -49,10 +69,10 @@ def _lora_expand_kernel(
     if w < 0:
         return
     rank = tl.load(ranks_ptr + w)
+    b_slot_ptr = b_ptr + w.to(tl.int64) * stride_bw
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
     mask_m = offs_m < seg_end
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(NUM_SLICES):
@@ -60,17 +80,12 @@ def _lora_expand_kernel(
         hi = _slice_bound(slice_offsets_ptr, SLICE_OFFSETS, s + 1)
         if (n0 < hi) & (n0 + BLOCK_N > lo):
             mask_n = (offs_n >= lo) & (offs_n < hi)
-            # xa_ptrs: [BLOCK_M, BLOCK_R]; b_ptrs: [BLOCK_R, BLOCK_N] (B rows read transposed)
-            xa_ptrs = xa_ptr + offs_m.to(tl.int64)[:, None] * stride_xam + s * MAX_RANK + offs_r[None, :]
-            b_ptrs = b_ptr + w.to(tl.int64) * stride_bw + offs_n[None, :] * stride_bo + offs_r[:, None]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                mask_r = offs_r < rank - r0
-                xa_tile = tl.load(xa_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-                b_tile = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-                acc += tl.dot(xa_tile, b_tile, input_precision="ieee")
-                xa_ptrs += BLOCK_R
-                b_ptrs += BLOCK_R
+            if rank <= 2 * BLOCK_R:
+                acc = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, s * MAX_RANK, rank,
+                                   stride_xam, stride_bo, BLOCK_M, BLOCK_N, BLOCK_R)
+            else:
+                acc = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, s * MAX_RANK, rank,
+                                   stride_xam, stride_bo, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
             delta += acc * tl.load(scalings_ptr + w * stride_sw + s)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & (offs_n < out_dim)[None, :]
@@ -79,11 +94,14 @@ def _lora_expand_kernel(
 
 
 def _config(max_seg_len: int, max_rank: int) -> dict:
-    """Decode (short segments): skinny tiles; prefill: taller tiles. Rank steps cover R <= 64 in one go."""
-    block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
+    """Block sizes tuned on H100 at Llama-8B shapes (bench/kernels_lora.py).
+
+    Rank steps of 16 for ranks up to 32, wider steps above (fewer dependent loop iterations).
+    """
+    high = min(64, max(16, triton.next_power_of_2(max_rank)))
     if max_seg_len <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=block_r, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=block_r, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=high, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=high, num_warps=8, num_stages=2)
 
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor,

@@ -22,6 +22,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_matmul(a, b, USE_DOT: tl.constexpr):
+    """a: [M, K] @ b: [K, N] in float32; tensor cores when M >= 16, else a broadcast-and-sum (GEMV)."""
+    if USE_DOT:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _lora_shrink_kernel(
         x_ptr, a_ptr, xa_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
         in_dim, stride_xm, stride_aw, stride_an, stride_xam,
@@ -54,20 +63,25 @@ def _lora_shrink_kernel(
             mask_k = offs_k < in_dim - k0
             x_tile = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             a_tile = tl.load(a_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc += tl.dot(x_tile, a_tile, input_precision="ieee")
+            acc += _tile_matmul(x_tile, a_tile, BLOCK_M >= 16)
             x_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
     xa_ptrs = xa_ptr + offs_m.to(tl.int64)[:, None] * stride_xam + (s * MAX_RANK + offs_n)[None, :]
     tl.store(xa_ptrs, acc.to(xa_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < MAX_RANK)[None, :])
 
 
-def _config(max_seg_len: int, max_rank: int, in_dim: int) -> dict:
-    """Decode (short segments): skinny tiles, long K steps; prefill: taller tiles reused over K."""
+def _config(max_seg_len: int, in_dim: int) -> dict:
+    """Block sizes tuned on H100 at Llama-8B shapes (bench/kernels_lora.py).
+
+    One token per segment: a GEMV over 4 rank rows per program (parallelism comes from the rank axis);
+    short segments: skinny tensor-core tiles with long K steps; prefill: 64-token tiles.
+    """
     k_cap = max(16, triton.next_power_of_2(in_dim))
-    n_cap = max(16, triton.next_power_of_2(max_rank))
+    if max_seg_len == 1:
+        return dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=min(1024, k_cap), num_warps=4, num_stages=4)
     if max_seg_len <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=min(256, k_cap), num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=min(32, n_cap), BLOCK_K=min(64, k_cap), num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=min(512, k_cap), num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=min(256, k_cap), num_warps=4, num_stages=3)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
@@ -89,7 +103,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     assert xa.shape == (num_tokens, num_slices * max_rank) and xa.stride(1) == 1
     if num_segments == 0 or max_seg_len == 0:
         return xa
-    cfg = _config(max_seg_len, max_rank, in_dim)
+    cfg = _config(max_seg_len, in_dim)
     num_n_tiles = triton.cdiv(max_rank, cfg["BLOCK_N"])
     grid = (triton.cdiv(max_seg_len, cfg["BLOCK_M"]) * num_n_tiles, num_segments, num_slices)
     _lora_shrink_kernel[grid](

@@ -88,3 +88,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         probs = scores.softmax(dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: with residual, residual <- x + residual (in place, x's dtype) and v = residual, else v = x;
+    out = weight * round(v * rsqrt(mean(v^2) + eps)), the mean in float32. x: [..., D]."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Semantics (in place, rotate-half layout): x <- x * cos[p] + rotate_half(x) * sin[p] for q and k,
+    where rotate_half([x1, x2]) = [-x2, x1]. q: [T, Hq, D]; k: [T, Hk, D]; cos, sin: [max_positions, D]."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        x.copy_(x * c + rotated * s)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: out = silu(x[:, :I]) * x[:, I:] for x: [T, 2I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

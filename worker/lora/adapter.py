@@ -1,20 +1,25 @@
-"""PEFT LoRA adapters: read, validate against the base model, and hold per-module weights on the host."""
+"""PEFT LoRA adapters: validate against the base model (from the file header alone), read per-module weights.
+
+adapter_model.safetensors is read with plain file I/O: the header is JSON, the data one buffer that a
+single `split` cuts into every tensor's bytes. Reads run on loader threads beside a busy step loop, and
+every tensor operation releases and retakes the GIL, so the reading path makes a handful of them, not
+one per tensor.
+"""
 from __future__ import annotations
 
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from worker.models.hf_config import ArchConfig
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class AdapterError(ValueError):
@@ -23,6 +28,33 @@ class AdapterError(ValueError):
     def __init__(self, message: str, status_code: int = 400):
         super().__init__(message)
         self.status_code = status_code
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A validated adapter directory: what registration knows before any weight is read."""
+    name: str
+    path: str
+    rank: int                                      # the largest rank over its modules
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModuleBytes:
+    """One module's weights as raw bytes in the serving dtype, row-major."""
+    a: torch.Tensor          # [rank * in_features * itemsize] uint8: lora_A [rank, in_features]
+    b: torch.Tensor          # [out_features * rank * itemsize] uint8: lora_B [out_features, rank]
+    rank: int
+    in_features: int
+    out_features: int
+    scaling: float
+
+
+@dataclass
+class AdapterBytes:
+    spec: AdapterSpec
+    dtype: torch.dtype
+    modules: dict[tuple[int, str], ModuleBytes]    # (layer, target) -> weights
 
 
 @dataclass
@@ -42,36 +74,50 @@ class LoRAAdapter:
     path: str
     rank: int                                      # the largest rank over its modules
     target_modules: tuple[str, ...]
-    modules: dict[tuple[int, str], LoRAModule] = field(default_factory=dict)   # (layer, target) -> weights
+    modules: dict[tuple[int, str], LoRAModule]     # (layer, target) -> weights
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size()
-                   for m in self.modules.values())
+
+def inspect_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int) -> AdapterSpec:
+    """Check that a PEFT directory fits the base model from its config and tensor header, reading no
+    weights; raises AdapterError naming what is wrong."""
+    path = Path(path)
+    _check_config(_read_config(path), max_lora_rank)
+    header, _ = _read_header(path)
+    return _spec(name, path, header, _check_modules(name, path, header, arch, max_lora_rank))
+
+
+def read_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int,
+                 dtype: torch.dtype) -> AdapterBytes:
+    """Read and check a PEFT directory, its weights converted to `dtype`; raises AdapterError."""
+    path = Path(path)
+    config = _read_config(path)
+    _check_config(config, max_lora_rank)
+    header, data_start = _read_header(path)
+    checked = _check_modules(name, path, header, arch, max_lora_rank)
+    tensors = _tensor_bytes(header, _read_data(path, data_start), dtype)
+    modules = {}
+    for (layer, target), keys in checked.items():
+        (rank, fan_in), (fan_out, _) = header[keys["A"]][1], header[keys["B"]][1]
+        block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        scaling = _scaling(config, f"model.layers.{layer}.{block}.{target}", rank)
+        modules[(layer, target)] = ModuleBytes(tensors[keys["A"]], tensors[keys["B"]], rank, fan_in, fan_out, scaling)
+    return AdapterBytes(_spec(name, path, header, checked), dtype, modules)
 
 
 def load_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int,
                  dtype: torch.dtype) -> LoRAAdapter:
-    """Read a PEFT directory and check it fits the base model; raises AdapterError naming what is wrong."""
-    path = Path(path)
-    config = _read_config(path)
-    _check_config(config, max_lora_rank)
-    tensors = _read_tensors(path)
-    pairs = _group_tensors(tensors)
-    expected = _module_shapes(arch)
-    modules = {}
-    for (layer, target), ab in sorted(pairs.items()):
-        if "A" not in ab or "B" not in ab:
-            raise AdapterError(f"adapter '{name}': layer {layer} {target} has lora_A or lora_B missing")
-        a, b = ab["A"], ab["B"]
-        _check_shapes(name, layer, target, a, b, arch, expected, max_lora_rank)
-        module_key = f"model.layers.{layer}.{'self_attn' if target in ('q_proj','k_proj','v_proj','o_proj') else 'mlp'}.{target}"
-        scaling = _scaling(config, module_key, a.shape[0])
-        modules[(layer, target)] = LoRAModule(a.to(dtype).contiguous(), b.to(dtype).contiguous(), scaling)
-    if not modules:
-        raise AdapterError(f"adapter '{name}': {path} holds no LoRA weights for {', '.join(SUPPORTED_TARGETS)}")
+    """`read_adapter` with each module's matrices as [rank, in] and [out, rank] tensors."""
+    raw = read_adapter(name, path, arch, max_lora_rank, dtype)
+    modules = {key: LoRAModule(m.a.view(dtype).view(m.rank, m.in_features),
+                               m.b.view(dtype).view(m.out_features, m.rank), m.scaling)
+               for key, m in raw.modules.items()}
+    return LoRAAdapter(name, str(path), raw.spec.rank, raw.spec.target_modules, modules)
+
+
+def _spec(name: str, path: Path, header: dict, modules: dict) -> AdapterSpec:
+    ranks = [header[keys["A"]][1][0] for keys in modules.values()]
     targets = tuple(sorted({t for _, t in modules}, key=SUPPORTED_TARGETS.index))
-    return LoRAAdapter(name, str(path), max(m.rank for m in modules.values()), targets, modules)
+    return AdapterSpec(name, str(path), max(ranks), targets)
 
 
 def _read_config(path: Path) -> dict:
@@ -111,21 +157,90 @@ def _check_config(config: dict, max_lora_rank: int) -> None:
                                f"supported target modules: {list(SUPPORTED_TARGETS)}")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _tensor_file(path: Path) -> Path:
     file = path / "adapter_model.safetensors"
     if not file.is_file():
         if (path / "adapter_model.bin").is_file():
             raise AdapterError(f"{path} holds adapter_model.bin; only adapter_model.safetensors is supported")
         raise AdapterError(f"No adapter found at {path}: adapter_model.safetensors is missing", status_code=404)
+    return file
+
+
+def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], int]:
+    """key -> (dtype, shape, begin, end) of adapter_model.safetensors (byte offsets into its data
+    section), and the file offset where that section starts."""
+    file = _tensor_file(path)
     try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise AdapterError(f"adapter_model.safetensors in {path} is unreadable: {e}") from e
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            size = f.seek(0, 2) - 8 - length
+            if size < 0:
+                raise ValueError(f"a header of {length} bytes does not fit the file")
+            f.seek(8)
+            entries = json.loads(f.read(length))
+        header = {}
+        for key, entry in entries.items():
+            if key == "__metadata__":
+                continue
+            if entry["dtype"] not in _DTYPES:
+                raise ValueError(f"tensor {key!r} is {entry['dtype']}; LoRA weights must be F32, F16 or BF16")
+            dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
+            if not 0 <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"tensor {key!r} lies outside the data or does not match its shape")
+            header[key] = (dtype, shape, begin, end)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AdapterError(f"adapter_model.safetensors in {path} is unreadable: {e!r}") from e
+    return header, 8 + length
 
 
-def _group_tensors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+def _read_data(path: Path, start: int) -> torch.Tensor:
+    """The data section of adapter_model.safetensors: [bytes] uint8, read in one call."""
+    try:
+        with open(_tensor_file(path), "rb") as f:
+            data = torch.empty(f.seek(0, 2) - start, dtype=torch.uint8)
+            f.seek(start)
+            if f.readinto(data.numpy()) != len(data):
+                raise OSError("the file ended early")
+    except OSError as e:
+        raise AdapterError(f"adapter_model.safetensors in {path} is unreadable: {e!r}") from e
+    return data
+
+
+def _tensor_bytes(header: dict, data: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor's bytes converted to `dtype`, as views of one buffer cut by one split.
+
+    The whole data section is converted at once when its tensors share a dtype, so byte offsets scale
+    by the ratio of item sizes: tensors [A: F32 0..16, B: F32 16..48] as BF16 sit at [0..8, 8..24].
+    """
+    sources = {entry[0] for entry in header.values()}
+    if len(sources) > 1:       # a file mixing dtypes: convert tensor by tensor
+        return {key: data[begin:end].clone().view(src).to(dtype).view(torch.uint8)   # clone: aligned
+                for key, (src, _, begin, end) in header.items()}
+    scale = 1.0
+    if sources and sources != {dtype}:
+        (src,) = sources
+        used = max(end for *_, end in header.values())
+        data, scale = data[:used].view(src).to(dtype).view(torch.uint8), dtype.itemsize / src.itemsize
+    order = sorted(header, key=lambda key: header[key][2])
+    cuts, pieces, offset = [], {}, 0
+    for key in order:
+        begin, end = int(header[key][2] * scale), int(header[key][3] * scale)
+        if begin > offset:
+            cuts.append(begin - offset)       # a gap between tensors
+        pieces[key] = len(cuts)
+        cuts.append(end - begin)
+        offset = end
+    cuts.append(len(data) - offset)
+    parts = data.split(cuts)
+    return {key: parts[i] for key, i in pieces.items()}
+
+
+def _check_modules(name: str, path: Path, header: dict, arch: ArchConfig,
+                   max_lora_rank: int) -> dict[tuple[int, str], dict[str, str]]:
+    """(layer, target) -> {"A": key, "B": key}, in key order, once every module has both matrices of
+    shapes that fit the base model."""
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for key in header:
         m = _KEY.search(key)
         if m is None:
             raise AdapterError(f"adapter tensor {key!r} is not supported: only lora_A/lora_B weights of "
@@ -134,8 +249,16 @@ def _group_tensors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str], di
         if target not in SUPPORTED_TARGETS:
             raise AdapterError(f"adapter targets module {target!r}, which the base model lacks or "
                                f"LoRA does not support; supported: {list(SUPPORTED_TARGETS)}")
-        pairs.setdefault((layer, target), {})[ab] = tensor
-    return pairs
+        pairs.setdefault((layer, target), {})[ab] = key
+    expected = _module_shapes(arch)
+    for (layer, target), keys in sorted(pairs.items()):
+        if "A" not in keys or "B" not in keys:
+            raise AdapterError(f"adapter '{name}': layer {layer} {target} has lora_A or lora_B missing")
+        _check_shapes(name, layer, target, header[keys["A"]][1], header[keys["B"]][1], arch, expected,
+                      max_lora_rank)
+    if not pairs:
+        raise AdapterError(f"adapter '{name}': {path} holds no LoRA weights for {', '.join(SUPPORTED_TARGETS)}")
+    return dict(sorted(pairs.items()))
 
 
 def _module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
@@ -145,18 +268,17 @@ def _module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
             "o_proj": (arch.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def _check_shapes(name: str, layer: int, target: str, a: torch.Tensor, b: torch.Tensor, arch: ArchConfig,
+def _check_shapes(name: str, layer: int, target: str, a: tuple[int, ...], b: tuple[int, ...], arch: ArchConfig,
                   expected: dict[str, tuple[int, int]], max_lora_rank: int) -> None:
     if layer >= arch.num_layers:
         raise AdapterError(f"adapter '{name}' has weights for layer {layer}, but the base model has "
                            f"{arch.num_layers} layers")
     fan_in, fan_out = expected[target]
-    r = a.shape[0]
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
-        raise AdapterError(f"adapter '{name}' layer {layer} {target}: lora_A {tuple(a.shape)} and lora_B "
-                           f"{tuple(b.shape)} do not fit the base model (expected [r, {fan_in}] and [{fan_out}, r])")
-    if r > max_lora_rank:
-        raise AdapterError(f"LoRA rank {r} is greater than max_lora_rank {max_lora_rank}. "
+    if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b != (fan_out, a[0]):
+        raise AdapterError(f"adapter '{name}' layer {layer} {target}: lora_A {list(a)} and lora_B "
+                           f"{list(b)} do not fit the base model (expected [r, {fan_in}] and [{fan_out}, r])")
+    if a[0] > max_lora_rank:
+        raise AdapterError(f"LoRA rank {a[0]} is greater than max_lora_rank {max_lora_rank}. "
                            "Raise --max-lora-rank to serve it.")
 
 

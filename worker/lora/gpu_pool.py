@@ -1,61 +1,199 @@
-"""Device memory for adapters: `max_loras` slots per projection, each sized to `max_lora_rank`.
+"""Device memory for adapters: `max_loras` slots, each one contiguous buffer sized to `max_lora_rank`.
 
 Owned by the model runner. Slot assignment is decided elsewhere (the scheduler's slot table); this
-pool only copies an adapter's weights into a slot and keeps the per-slot rank and scalings.
+pool copies a packed adapter (host_cache.HostAdapter, already in the slot's byte layout) into a slot
+with one copy, on a dedicated stream on CUDA, and keeps the per-slot ranks.
+
+A slot's bytes hold, for every layer and fused projection in turn, the A matrices, the B matrices and
+the per-slice scalings; each projection's LoRAWeights are strided views across all slots:
+
+    slot s: [ L0.qkv: A | B | scalings ][ L0.o_proj: A | B | scalings ] ... [ Ln.down_proj: ... ]
+    LoRAWeights.a of L0.qkv = slots[:, a_offset : a_offset + a_bytes] viewed as [num_slots, 3 * R, hidden]
 """
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.linear import LoRAWeights
-from worker.lora.adapter import LoRAAdapter
+from worker.lora.adapter import AdapterBytes, ModuleBytes
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class _Region:
+    """Where one fused projection's LoRA weights sit in a slot, in bytes."""
+    a_offset: int
+    b_offset: int
+    scalings_offset: int
+    a_shape: tuple[int, int]          # [num_slices * R, in_features]
+    b_shape: tuple[int, int]          # [out_features, R]
+    slice_offsets: tuple[int, ...]    # [num_slices + 1]
+
+
+class SlotLayout:
+    """The byte layout of one adapter slot; `pack` writes an adapter in it, `views` reads it back."""
+
+    def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype):
+        self.max_rank, self.dtype = max_rank, dtype
+        self.targets = model.lora_targets          # LoRA target module -> (fused projection, slice)
+        item = dtype.itemsize
+        self.regions: dict[tuple[int, str], _Region] = {}
+        offset = 0
+        for layer in range(model.cfg.num_layers):
+            for name in _PROJECTIONS:
+                proj = model.projection(layer, name)
+                n = len(proj.output_sizes)
+                a_shape, b_shape = (n * max_rank, proj.in_features), (proj.slice_offsets[-1], max_rank)
+                b_offset = offset + _aligned(a_shape[0] * a_shape[1] * item)
+                s_offset = b_offset + _aligned(b_shape[0] * b_shape[1] * item)
+                self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape,
+                                                      tuple(proj.slice_offsets))
+                offset = s_offset + _aligned(4 * n)
+        self.num_bytes = offset
+
+    def views(self, slots: torch.Tensor) -> dict[tuple[int, str], LoRAWeights]:
+        """Per-projection weights over `slots` ([num_slots, num_bytes] uint8), sharing its storage."""
+        def view(offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            size = math.prod(shape) * dtype.itemsize
+            return slots[:, offset:offset + size].view(dtype).unflatten(1, shape)
+
+        return {key: LoRAWeights(a=view(r.a_offset, r.a_shape, self.dtype),
+                                 b=view(r.b_offset, r.b_shape, self.dtype),
+                                 scalings=view(r.scalings_offset, (len(r.slice_offsets) - 1,), torch.float32),
+                                 slice_offsets=list(r.slice_offsets))
+                for key, r in self.regions.items()}
+
+    @torch.no_grad()
+    def pack(self, adapter: AdapterBytes, pin: bool) -> torch.Tensor:
+        """`adapter` as one slot's bytes ([num_bytes] uint8), built by a single concatenation of its
+        tensors' bytes, its scalings and zero fill (a few tensor operations in all, whatever the number
+        of modules); modules it does not target stay zero.
+
+        A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R.
+        """
+        assert adapter.dtype == self.dtype, f"adapter read as {adapter.dtype}, slots hold {self.dtype}"
+        item, R = self.dtype.itemsize, self.max_rank
+        by_slice = {(layer, *self.targets[target]): m for (layer, target), m in adapter.modules.items()}
+        parts: list[tuple[str, object]] = []     # ("bytes", tensor) | ("zeros", count) | ("scalings", floats)
+        for (layer, name), region in self.regions.items():
+            modules = [by_slice.get((layer, name, s)) for s in range(len(region.slice_offsets) - 1)]
+            in_features, out_features = region.a_shape[1], region.b_shape[0]
+            for m in modules:
+                parts += ([("zeros", R * in_features * item)] if m is None else
+                          [("bytes", m.a), ("zeros", (R - m.rank) * in_features * item)])
+            parts.append(("zeros", region.b_offset - region.a_offset - region.a_shape[0] * in_features * item))
+            for m, lo, hi in zip(modules, region.slice_offsets, region.slice_offsets[1:]):
+                parts.append(("zeros", (hi - lo) * R * item) if m is None else ("bytes", self._b_rows(m)))
+            parts.append(("zeros", region.scalings_offset - region.b_offset - out_features * R * item))
+            parts.append(("scalings", [0.0 if m is None else m.scaling for m in modules]))
+            parts.append(("zeros", _aligned(4 * len(modules)) - 4 * len(modules)))
+        return self._concatenate(parts, pin)
+
+    def _b_rows(self, m: ModuleBytes) -> torch.Tensor:
+        """lora_B bytes with each row padded to R columns."""
+        if m.rank == self.max_rank:
+            return m.b
+        rows = m.b.view(self.dtype).view(m.out_features, m.rank)
+        return F.pad(rows, (0, self.max_rank - m.rank)).view(-1).view(torch.uint8)
+
+    def _concatenate(self, parts: list[tuple[str, object]], pin: bool) -> torch.Tensor:
+        zero_counts = [n for kind, n in parts if kind == "zeros"]
+        zeros = iter(torch.zeros(sum(zero_counts), dtype=torch.uint8).split(zero_counts))
+        values = [v for kind, floats in parts if kind == "scalings" for v in floats]
+        scalings = iter(torch.tensor(values, dtype=torch.float32).view(torch.uint8).split(
+            [4 * len(floats) for kind, floats in parts if kind == "scalings"]))
+        tensors = [part if kind == "bytes" else next(zeros) if kind == "zeros" else next(scalings)
+                   for kind, part in parts]
+        packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin)
+        return torch.cat(tensors, out=packed)
+
+
+@dataclass
+class SlotLoad:
+    """One host -> slot copy; `done` on CUDA once its end event has completed."""
+    slot: int
+    key: Hashable                     # the caller's name for what was loaded
+    source: torch.Tensor              # the packed host buffer, kept alive until the copy completes
+    start: torch.cuda.Event | None    # None on the CPU, where the copy is synchronous
+    end: torch.cuda.Event | None
+    seconds: float = 0.0              # copy time, known once done
+
+    def done(self) -> bool:
+        if self.end is None:
+            return True
+        if not self.end.query():
+            return False
+        self.seconds = self.start.elapsed_time(self.end) / 1e3
+        return True
 
 
 class GPULoRAPool:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_slots, self.max_rank = num_slots, max_rank
-        self.model = model
+        self.layout = SlotLayout(model, max_rank, dtype)
+        self.slots = torch.zeros(num_slots, self.layout.num_bytes, dtype=torch.uint8, device=device)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)   # [num_slots]; 0 = empty
         self.ranks_host = [0] * num_slots
-        self.weights: dict[tuple[int, str], LoRAWeights] = {}
-        for layer in range(model.cfg.num_layers):
-            for name in _PROJECTIONS:
-                proj = model.projection(layer, name)
-                n = len(proj.output_sizes)
-                w = LoRAWeights(
-                    a=torch.zeros(num_slots, n * max_rank, proj.in_features, dtype=dtype, device=device),
-                    b=torch.zeros(num_slots, proj.slice_offsets[-1], max_rank, dtype=dtype, device=device),
-                    scalings=torch.zeros(num_slots, n, dtype=torch.float32, device=device),
-                    slice_offsets=proj.slice_offsets)
-                proj.lora = w
-                self.weights[(layer, name)] = w
+        self.weights = self.layout.views(self.slots)
+        for (layer, name), w in self.weights.items():
+            model.projection(layer, name).lora = w
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # adapter copies only
+        self._in_flight: list[SlotLoad] = []          # issue order, which is completion order
+        self._unjoined: dict[int, torch.cuda.Event] = {}   # slot -> end of its latest copy
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for w in self.weights.values() for t in (w.a, w.b))
+        return self.slots.numel()
 
     @torch.no_grad()
-    def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy `adapter` into `slot`; modules it does not target become zeros (no contribution)."""
-        targets = self.model.lora_targets
-        for w in self.weights.values():
-            w.a[slot].zero_()
-            w.b[slot].zero_()
-            w.scalings[slot].zero_()
-        for (layer, target), m in adapter.modules.items():
-            name, s = targets[target]
-            w = self.weights[(layer, name)]
-            r, R = m.rank, self.max_rank
-            w.a[slot, s * R:s * R + r].copy_(m.a, non_blocking=True)
-            w.b[slot, w.slice_offsets[s]:w.slice_offsets[s + 1], :r].copy_(m.b, non_blocking=True)
-            w.scalings[slot, s] = m.scaling
-        self.ranks[slot] = adapter.rank
-        self.ranks_host[slot] = adapter.rank
+    def start_load(self, slot: int, packed: torch.Tensor, rank: int, key: Hashable) -> None:
+        """Copy `packed` ([num_bytes] uint8, pinned on CUDA) into `slot` without waiting for it.
 
-    def clear(self, slot: int) -> None:
-        self.ranks[slot] = 0
-        self.ranks_host[slot] = 0
+        The copy waits for the work already queued on the compute stream, which may still read the
+        slot's previous adapter; nothing waits for the copy until `wait_for` names the slot.
+        """
+        if self._stream is None:
+            start = time.perf_counter()
+            self.slots[slot].copy_(packed)
+            self.ranks[slot] = rank
+            self._in_flight.append(SlotLoad(slot, key, packed, None, None, time.perf_counter() - start))
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self._stream):
+                start.record()
+                self.slots[slot].copy_(packed, non_blocking=True)
+                self.ranks[slot].fill_(rank)
+                end.record()
+            self._in_flight.append(SlotLoad(slot, key, packed, start, end))
+            self._unjoined[slot] = end
+        self.ranks_host[slot] = rank
+
+    def finished_loads(self) -> list[SlotLoad]:
+        """Loads found complete since the last call, in issue order; never waits."""
+        done = 0
+        while done < len(self._in_flight) and self._in_flight[done].done():
+            done += 1
+        finished, self._in_flight = self._in_flight[:done], self._in_flight[done:]
+        return finished
+
+    def wait_for(self, slots: Iterable[int]) -> None:
+        """Make the compute stream wait for the latest copy into each of `slots` (once per copy)."""
+        for slot in slots:
+            end = self._unjoined.pop(slot, None)
+            if end is not None:
+                torch.cuda.current_stream().wait_event(end)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -10,8 +11,7 @@ from worker.batch import ScheduledBatch
 from worker.config import WorkerConfig
 from worker.ipc.messages import TokenLogprob
 from worker.kv_cache.kv_pool import KVPool
-from worker.lora.adapter import LoRAAdapter
-from worker.lora.gpu_pool import GPULoRAPool
+from worker.lora.gpu_pool import GPULoRAPool, SlotLoad
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
 from worker.model_runner.sampler import Sampler, SamplingRow, compute_logprobs, to_host
@@ -53,8 +53,17 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         return self.kv_pool.num_blocks
 
-    def load_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.lora_pool.load(slot, adapter)
+    def load_adapter(self, slot: int, packed: torch.Tensor, rank: int, key: Hashable) -> None:
+        """Start copying a packed adapter (host_cache.HostAdapter.packed) into `slot`; see lora_pool.start_load."""
+        self.lora_pool.start_load(slot, packed, rank, key)
+
+    def finished_adapter_loads(self) -> list[SlotLoad]:
+        """Adapter copies found complete since the last call; never waits."""
+        return self.lora_pool.finished_loads()
+
+    def wait_for_adapters(self, slots: Iterable[int]) -> None:
+        """Order the next step's work after the copies into `slots`."""
+        self.lora_pool.wait_for(slots)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelOutput:

@@ -5,7 +5,6 @@ Our own modules: fused qkv and gate_up projections, paged attention, LoRA on eve
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.batch import ForwardBatch
@@ -38,7 +37,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        self.rotary(batch.positions, q, k)
         out = self.attn(q, k, v, kv_cache, batch)
         return self.o_proj(out.reshape(-1, c.q_size), batch.lora)
 
@@ -51,8 +50,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(i, [cfg.hidden_size], cfg.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch.lora).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, batch.lora)
+        gate_up = self.gate_up_proj(x, batch.lora)             # [num_tokens, 2 * intermediate]
+        if gate_up.is_cuda:   # Triton kernel; imported here so CPU-only installs need no triton
+            from worker.kernels.fused import silu_and_mul
+        else:
+            from worker.kernels.reference import silu_and_mul
+        return self.down_proj(silu_and_mul(gate_up), batch.lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -63,9 +66,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, h: torch.Tensor, kv_cache, batch: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), kv_cache, batch)
-        return h + self.mlp(self.post_attention_layernorm(h), batch)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, kv_cache,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: this layer's input delta; residual: the running sum before it (None at layer 0).
+        Returns (the MLP output, the running sum before it); each add is fused into the next norm."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x = self.input_layernorm(h, residual)
+        h = self.self_attn(x, kv_cache, batch)
+        x = self.post_attention_layernorm(h, residual)
+        return self.mlp(x, batch), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,7 +107,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns logits [num_sampled, vocab] (float32) for batch.logits_indices."""
         h = self.embed_tokens(batch.input_ids)                     # [num_tokens, hidden]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, kv_cache, batch)
-        h = self.norm(h[batch.logits_indices])                     # [num_sampled, hidden]
+            h, residual = layer(h, residual, kv_cache, batch)
+        rows = batch.logits_indices
+        h = self.norm(h[rows], residual[rows])                     # [num_logits, hidden]
         return self.lm_head(h).float()

@@ -5,6 +5,11 @@ Decisions (order, preemption victim, bypass rule) are in policy.py; this file do
 
 Invariant: a RUNNING request owns KV blocks covering its computed tokens and, when it has an
 adapter, one reference on that adapter's slot; WAITING and FINISHED requests own neither.
+
+Adapter loads. Without a prefetcher (blocking loads), admitting a request whose adapter is not
+resident takes a slot and asks for the load in the same batch. With one (overlap loading), the
+prefetcher reserves slots for the queue's adapters and asks for their loads; a request is admitted
+only once its adapter's load has finished, in a later step, and waits without holding anyone up.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import logging
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import LoRAConfig, SchedulerConfig
 from worker.kv_cache.block_allocator import BlockAllocator
+from worker.lora.prefetcher import Prefetcher
 from worker.lora.slot_table import SlotTable
 from worker.request import Request, RequestStatus
 from worker.scheduler import policy
@@ -23,13 +29,14 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, lora_config: LoRAConfig,
-                 block_allocator: BlockAllocator, slot_table: SlotTable):
+                 block_allocator: BlockAllocator, slot_table: SlotTable, prefetcher: Prefetcher | None = None):
         if slot_table.num_slots != lora_config.max_loras:
             raise ValueError(f"slot table has {slot_table.num_slots} slots but max_loras is "
                              f"{lora_config.max_loras}")
         self.config = scheduler_config
         self.blocks = block_allocator
         self.slots = slot_table
+        self.prefetcher = prefetcher        # None: blocking adapter loads
         self.waiting: list[Request] = []   # policy.waiting_key order; read-only outside this class
         self.running: list[Request] = []   # policy.running_key order (oldest first); read-only outside
         self._unfinished: dict[str, Request] = {}
@@ -77,8 +84,13 @@ class Scheduler:
         """
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        starved: set = set()
+        if self.prefetcher is not None:
+            prefetch = self.prefetcher.prefetch(self.waiting)
+            batch.adapter_loads += prefetch.loads
+            starved = prefetch.starved
         if not batch.preempted:   # memory is short: readmitting now would only churn
-            self._admit_waiting(batch, budget)
+            self._admit_waiting(batch, budget, starved)
         return batch
 
     def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
@@ -133,8 +145,10 @@ class Scheduler:
         request.block_ids += self.blocks.allocate(need)
         return True
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        """Admit waiting requests FCFS; ones without a slot are skipped, memory shortage stops."""
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, starved: set) -> None:
+        """Admit waiting requests FCFS; ones whose adapter is not ready are skipped, memory shortage stops.
+
+        `starved`: adapters the prefetcher found no slot for (their requests count as overtaken)."""
         skipped: list[Request] = []   # waiting for an adapter slot; later requests overtake them
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
@@ -142,8 +156,7 @@ class Scheduler:
             if self._never_fits(request):
                 self._reject(request)
                 continue
-            if request.adapter is not None and not self._may_take_slot(request, skipped):
-                skipped.append(request)
+            if request.adapter is not None and not self._adapter_ready(request, skipped, starved):
                 continue
             num_new = min(request.num_tokens, budget)
             need = self.blocks.blocks_needed(num_new)
@@ -155,9 +168,17 @@ class Scheduler:
             budget -= num_new
         self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
 
-    def _may_take_slot(self, request: Request, skipped: list[Request]) -> bool:
-        return (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses)
-                and self.slots.can_acquire(request.adapter))
+    def _adapter_ready(self, request: Request, skipped: list[Request], starved: set) -> bool:
+        """Whether `request`'s adapter lets it in now; one kept out for want of a slot joins `skipped`."""
+        if self.prefetcher is not None and not self.slots.is_loaded(request.adapter):
+            if request.adapter in starved:
+                skipped.append(request)
+            return False       # still loading, or on its way from disk: it waits, nobody else does
+        if (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses)
+                and self.slots.can_acquire(request.adapter)):
+            return True
+        skipped.append(request)
+        return False
 
     def _admit(self, request: Request, num_blocks: int, batch: ScheduledBatch) -> None:
         """WAITING -> RUNNING: take blocks and a slot reference (both checked by the caller)."""

@@ -1,0 +1,284 @@
+"""Gateway throughput: streamed tokens per second through the real gateway, with a stand-in worker.
+
+    python -m bench.gateway_throughput --streams 64 --duration 10 --out gateway_throughput.json
+
+Three kinds of processes: the gateway (the real Starlette app under uvicorn, one process, pinned to
+one core), its worker running bench.fast_engine.FastEngine (tokens as fast as it can make them),
+and client processes, each driving its share of the SSE streams with httpx. Every stream sends
+completion requests back to back until the duration is over. Tokens are counted twice on the
+client side, as SSE chunks (FastEngine's tokens are one chunk each) and from each stream's final
+usage chunk; the gateway's vllm:generation_tokens_total counts what the worker sent.
+
+Reported: tokens per wall-clock second, and tokens per CPU second of the gateway process (its
+throughput at a full core, whatever else the machine is running).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+logger = logging.getLogger("bench.gateway_throughput")
+
+FAST_ENGINE = "bench.fast_engine:FastEngine"
+SERVED_NAME = "bench"
+PROMPT = "A language model server"
+GOAL_TOKENS_PER_S = 20_000
+STARTUP_SECONDS = 60
+
+
+@dataclass
+class ClientResult:
+    requests: int = 0
+    tokens: int = 0              # from the usage chunks
+    chunks: int = 0              # SSE events that carry a choice
+    finished_at: float = 0.0     # time.monotonic(), shared by the processes of one machine
+
+
+# gateway process
+
+def serve(model_dir: str, port: int) -> None:
+    """The real gateway app, one uvicorn process, with FastEngine as its worker's engine."""
+    import uvicorn
+
+    from gateway.app import build_app
+    from gateway.config import GatewayConfig
+    from gateway.worker_client import WorkerClient
+
+    config = GatewayConfig(model=model_dir, served_model_names=(SERVED_NAME,), device="cpu",
+                           uvicorn_log_level="warning")
+    app = build_app(config, WorkerClient(config.worker_config(), engine_factory=FAST_ENGINE))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def write_tokenizer(model_dir: Path) -> None:
+    """A byte-level BPE trained on the demo corpus, as worker.demo builds it, without torch."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from worker.demo import CORPUS, VOCAB_SIZE
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def start_gateway(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "bench.gateway_throughput", "--serve", "--model-dir", str(model_dir),
+               "--port", str(port)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=log,
+                                   stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"the gateway was not healthy within {STARTUP_SECONDS} s:\n{log_path.read_text()}")
+
+
+def stop_gateway(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+# client processes
+
+def run_client(url: str, num_streams: int, max_tokens: int, start_at: float, stop_at: float,
+               cpus: list[int] | None, results: multiprocessing.Queue) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    results.put(asdict(asyncio.run(drive_streams(url, num_streams, max_tokens, start_at, stop_at))))
+
+
+async def drive_streams(url: str, num_streams: int, max_tokens: int, start_at: float,
+                        stop_at: float) -> ClientResult:
+    result = ClientResult()
+    limits = httpx.Limits(max_connections=num_streams, max_keepalive_connections=num_streams)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as http:
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        await asyncio.gather(*(stream_until(http, max_tokens, stop_at, result) for _ in range(num_streams)))
+    result.finished_at = time.monotonic()
+    return result
+
+
+async def stream_until(http: httpx.AsyncClient, max_tokens: int, stop_at: float, result: ClientResult) -> None:
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    while time.monotonic() < stop_at:
+        events, usage = await one_stream(http, body)
+        result.requests += 1
+        result.chunks += events - 2          # less the usage chunk and [DONE]
+        result.tokens += usage["completion_tokens"]
+
+
+async def one_stream(http: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
+    """(number of SSE events, the usage of the final chunk) of one streamed completion."""
+    events, tail, previous_newline = 0, b"", False
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for data in response.aiter_raw():
+            # each event ends with "\n\n"; JSON escapes newlines inside strings, so no other "\n\n" exists
+            events += data.count(b"\n\n") + (previous_newline and data.startswith(b"\n"))
+            previous_newline = data.endswith(b"\n")
+            tail = (tail + data)[-8192:]
+    return events, usage_of(tail)
+
+
+def usage_of(tail: bytes) -> dict:
+    """The usage object of the last chunk before [DONE]."""
+    last = tail.rsplit(b"data: [DONE]", 1)[0].rstrip().rsplit(b"data: ", 1)[1]
+    return json.loads(last)["usage"]
+
+
+# orchestration
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pin(process: subprocess.Popen, gateway_cpu: int | None) -> tuple[list[int] | None, list[int] | None]:
+    """Pin the gateway to `gateway_cpu` and its worker to the other cores; (gateway, other) cpu lists."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if gateway_cpu is None or len(cpus) < 2:
+        return None, None
+    others = [c for c in cpus if c != gateway_cpu]
+    gateway = psutil.Process(process.pid)
+    gateway.cpu_affinity([gateway_cpu])
+    for child in gateway.children(recursive=True):
+        child.cpu_affinity(others)
+    return [gateway_cpu], others
+
+
+def generation_tokens_total(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return int(float(re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.MULTILINE).group(1)))
+
+
+def measure(url: str, process: subprocess.Popen, args: argparse.Namespace,
+            client_cpus: list[int] | None) -> dict:
+    shares = [args.streams // args.clients + (i < args.streams % args.clients) for i in range(args.clients)]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    start_at = time.monotonic() + args.client_startup
+    stop_at = start_at + args.duration
+    clients = [context.Process(target=run_client, args=(url, share, args.max_tokens, start_at, stop_at,
+                                                         client_cpus, results))
+               for share in shares]
+    for client in clients:
+        client.start()
+    gateway = psutil.Process(process.pid)
+    tokens_before = generation_tokens_total(url)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    cpu_before = gateway.cpu_times()
+    collected = [ClientResult(**results.get(timeout=args.duration + 300)) for _ in clients]
+    cpu_after = gateway.cpu_times()
+    for client in clients:
+        client.join()
+    elapsed = max(r.finished_at for r in collected) - start_at
+    tokens = sum(r.tokens for r in collected)
+    gateway_cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+    return {
+        "requests": sum(r.requests for r in collected), "tokens": tokens,
+        "chunks": sum(r.chunks for r in collected),
+        "tokens_sent_by_worker": generation_tokens_total(url) - tokens_before,
+        "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
+        "gateway_cpu_s": round(gateway_cpu, 3),
+        "tokens_per_gateway_cpu_s": round(tokens / gateway_cpu, 1) if gateway_cpu > 0 else None,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
+        model_dir = Path(args.model_dir) if args.model_dir else Path(tmp) / "model"
+        if not args.model_dir:
+            write_tokenizer(model_dir)
+        port = free_port()
+        process = start_gateway(model_dir, port, Path(tmp) / "gateway.log")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            gateway_cpus, other_cpus = pin(process, args.gateway_cpu)
+            httpx.post(f"{url}/v1/completions", json={"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 8},
+                       timeout=30).raise_for_status()          # warm-up
+            measured = measure(url, process, args, other_cpus)
+        finally:
+            stop_gateway(process)
+    return {"streams": args.streams, "clients": args.clients, "max_tokens": args.max_tokens,
+            "duration_s": args.duration, **measured, "goal_tokens_per_s": GOAL_TOKENS_PER_S,
+            "gateway_cpus": gateway_cpus, "client_and_worker_cpus": other_cpus, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "command": " ".join(["python -m bench.gateway_throughput",
+                                                                      *args.argv])}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=64, help="concurrent SSE streams")
+    parser.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds during which requests start")
+    parser.add_argument("--client-startup", type=float, default=2.0, help="seconds allowed for clients to start")
+    parser.add_argument("--gateway-cpu", type=int, default=0,
+                        help="core the gateway is pinned to (its worker and the clients get the others); "
+                             "-1: no pinning")
+    parser.add_argument("--model-dir", help="a directory with tokenizer.json; default: a byte-level BPE "
+                                            "trained on the demo corpus")
+    parser.add_argument("--out", help="write the result as JSON here")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.serve:
+        serve(args.model_dir, args.port)
+        return None
+    args.argv = argv
+    args.gateway_cpu = None if args.gateway_cpu < 0 else args.gateway_cpu
+    result = run(args)
+    logger.info("%d streams: %.0f tokens/s (%.0f per gateway CPU second), %d tokens in %.2f s",
+                args.streams, result["tokens_per_s"], result["tokens_per_gateway_cpu_s"] or 0, result["tokens"],
+                result["elapsed_s"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""GET /v1/adapters and /v1/adapters/{name}: where each served adapter stands in the worker.
+
+Residency is the fastest tier holding its weights ("gpu", "host", "disk"), with rank, target modules,
+pinned, version, last use and load times, as the worker reports them; the gateway adds the base model
+and creation time. An adapter the gateway registered but the worker has not loaded yet (an auto-load
+about to happen) is reported on "disk" with what the gateway knows.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.adapters import Adapter
+from gateway.protocol import APIError
+from gateway.sse import json_response
+from worker.ipc.messages import AdapterState
+
+if TYPE_CHECKING:
+    from gateway.app import ServingContext
+
+
+async def list_adapters(request: Request) -> Response:
+    server: ServingContext = request.app.state.server
+    return json_response({"object": "list", "data": await _cards(server)})
+
+
+async def retrieve_adapter(request: Request) -> Response:
+    server: ServingContext = request.app.state.server
+    name = request.path_params["name"]
+    for card in await _cards(server):
+        if card["id"] == name:
+            return json_response(card)
+    raise APIError(f"The lora adapter '{name}' cannot be found.", 404)
+
+
+async def _cards(server: ServingContext) -> list[dict[str, Any]]:
+    result = await server.client.adapter_command("list", "")
+    if not result.ok:
+        raise APIError(result.message, result.status_code)
+    states = {state.name: state for state in result.adapters}
+    return [_card(name, server.models.get(name), states.get(name))
+            for name in dict.fromkeys([*server.models.names(), *states])]
+
+
+def _card(name: str, adapter: Adapter | None, state: AdapterState | None) -> dict[str, Any]:
+    card: dict[str, Any] = {
+        "id": name, "object": "lora_adapter",
+        "path": state.path if state else adapter.path,
+        "base_model": adapter.base_model_name if adapter else None,
+        "created": adapter.created if adapter else None,
+        "pinned": state.pinned if state else adapter.pinned,
+        "residency": state.residency if state else "disk", "loading": state.loading if state else False,
+        "slot": None, "rank": None, "target_modules": None, "version": None, "last_used": None,
+        "load_time_ms": {"disk": None, "gpu": None}, "num_running": 0, "num_waiting": 0}
+    if state is not None:
+        card.update(slot=state.slot, rank=state.rank, target_modules=state.target_modules, version=state.version,
+                    last_used=state.last_used, load_time_ms={"disk": state.disk_load_ms, "gpu": state.gpu_load_ms},
+                    num_running=state.num_running, num_waiting=state.num_waiting)
+    return card
+
+
+routes = [Route("/v1/adapters", list_adapters, methods=["GET"]),
+          Route("/v1/adapters/{name:path}", retrieve_adapter, methods=["GET"])]

@@ -1,0 +1,65 @@
+"""Adapter loads on the GPU: copies on the side stream change no token, and steps with copies in flight
+make no host-device sync."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf_fixtures import ADAPTERS, adapter_dir
+from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.engine import Engine
+from worker.ipc.messages import SamplingParams
+
+pytestmark = pytest.mark.gpu
+ROWS = [(7, None), (23, "r4-qv"), (5, "r8-all"), (11, "r16-mlp-rs"), (17, "r8-all"), (9, "r4-qv"), (13, None)]
+
+
+def make_engine(model_dir, device: str, dtype: str, overlap: bool, enforce_eager: bool = True) -> Engine:
+    engine = Engine(WorkerConfig(
+        ModelConfig(str(model_dir), dtype=dtype), cache=CacheConfig(num_blocks_override=256),
+        lora=LoRAConfig(max_loras=2, enable_lora_overlap_loading=overlap), scheduler=SchedulerConfig(max_num_seqs=4),
+        device=device, enforce_eager=enforce_eager))
+    for spec in ADAPTERS:
+        engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
+    return engine
+
+
+def run(engine: Engine, tag: str = "r") -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i, (n, adapter) in enumerate(ROWS):
+        engine.add_request(f"{tag}{i}", torch.randint(2, 320, (n,), generator=gen).tolist(), params, adapter)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "blocking"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_fp32_tokens_equal_the_cpu_run_whatever_the_loading(hf_models, overlap, enforce_eager):
+    """Three adapters through two slots: every request waits for, or evicts, some load."""
+    llama = hf_models["llama"]
+    expected = run(make_engine(llama, "cpu", "float32", overlap=True))
+    assert run(make_engine(llama, "cuda", "float32", overlap, enforce_eager)) == expected
+
+
+def test_bf16_tokens_are_the_same_with_overlap_on_and_off(hf_models):
+    llama = hf_models["llama"]
+    runs = [run(make_engine(llama, "cuda", "bfloat16", overlap, enforce_eager=False)) for overlap in (True, False)]
+    assert runs[0] == runs[1]
+
+
+def test_steps_make_no_sync_while_adapter_copies_are_in_flight(hf_models):
+    engine = make_engine(hf_models["llama"], "cuda", "bfloat16", overlap=True, enforce_eager=False)
+    run(engine, "warm")                      # compiles and captures
+    for spec in ADAPTERS:                    # new versions: cold again, so the next run loads each of them
+        engine.add_adapter(spec.name, str(adapter_dir(hf_models["llama"], spec.name)), load_inplace=True)
+    loads_before = engine.lora_stats().gpu.loads
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(engine)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.lora_stats().gpu.loads - loads_before >= len(ADAPTERS)

@@ -1,0 +1,69 @@
+"""Fused norm / rotary / SiLU-and-mul kernels against their torch references (float32 and float16)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from worker.kernels import fused, reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def rand(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, dim", [(1, 64), (5, 96), (3, 128)])
+def test_rms_norm_with_and_without_residual(dtype, tokens, dim):
+    x, w = rand(tokens, dim, dtype=dtype), rand(dim, dtype=dtype, seed=1)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    res_a, res_b = rand(tokens, dim, dtype=dtype, seed=2), rand(tokens, dim, dtype=dtype, seed=2)
+    out = fused.rms_norm(x, w, 1e-6, residual=res_a)
+    ref = reference.rms_norm(x, w, 1e-6, residual=res_b)
+    torch.testing.assert_close(res_a, res_b, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    qkv = rand(4, 3 * 4 * 32, dtype=dtype)
+    q = qkv[:, :4 * 32].view(4, 4, 32)              # rows strided by the fused width
+    w = rand(32, dtype=dtype, seed=3)
+    torch.testing.assert_close(fused.rms_norm(q, w, 1e-5), reference.rms_norm(q, w, 1e-5),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads, k_heads, dim", [(4, 2, 32), (8, 8, 24), (6, 1, 40)])
+def test_rotary_in_place_on_strided_q_and_k(dtype, q_heads, k_heads, dim):
+    tokens = 5
+    qkv = rand(tokens, (q_heads + 2 * k_heads) * dim, dtype=dtype)
+    theta = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.outer(torch.arange(64).float(), theta)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(dtype=dtype, device=DEVICE), emb.sin().to(dtype=dtype, device=DEVICE)
+    positions = torch.tensor([0, 3, 17, 63, 5], device=DEVICE)
+    ours, ref = qkv.clone(), qkv.clone()
+    for t in (ours, ref):
+        q = t[:, :q_heads * dim].view(tokens, q_heads, dim)
+        k = t[:, q_heads * dim:(q_heads + k_heads) * dim].view(tokens, k_heads, dim)
+        (fused.rotary if t is ours else reference.rotary)(positions, q, k, cos, sin)
+    torch.testing.assert_close(ours, ref, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+    assert not torch.equal(ours, qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, inter", [(1, 48), (7, 256), (2, 1500)])
+def test_silu_and_mul(dtype, tokens, inter):
+    x = rand(tokens, 2 * inter, dtype=dtype)
+    torch.testing.assert_close(fused.silu_and_mul(x), reference.silu_and_mul(x), atol=TOL[dtype], rtol=TOL[dtype])

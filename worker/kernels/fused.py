@@ -1,0 +1,116 @@
+"""Fused elementwise kernels of the decoder layer: RMSNorm (with the residual add), rotary, SiLU-and-mul.
+
+Each replaces a chain of small torch ops with one launch; at decode batch sizes the step is bound by
+launch count as much as by bytes, so these matter inside CUDA graphs. Rounding follows the torch
+reference in reference.py: values are rounded to the activation dtype where the reference rounds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_heads, stride_xt, stride_xh, stride_rt, stride_ot,
+                     stride_oh, dim, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Semantics, for row r = (t, h):
+        if HAS_RESIDUAL: res[t] = x[t] + res[t]  (rounded to x's dtype); v = res[t]   else: v = x[t, h]
+        out[t, h] = w * round(v * rsqrt(mean(v^2) + eps))    (the mean in float32)
+    """
+    row = tl.program_id(0)
+    t, h = row // num_heads, row % num_heads
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < dim
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_ptrs = res_ptr + t.to(tl.int64) * stride_rt + offs
+        x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(r_ptrs, x, mask=mask)
+    v = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(v * v, axis=0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = (v * inv).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([T, D] or [T, H, D], any row strides); with `residual` ([T, D],
+    updated in place to x + residual) the norm is taken of that sum. Returns a new contiguous tensor."""
+    x3 = x if x.dim() == 3 else x[:, None, :]
+    assert x3.stride(2) == 1 and (residual is None or (x.dim() == 2 and residual.stride(1) == 1))
+    num_tokens, num_heads, dim = x3.shape
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        res = residual if residual is not None else x3
+        _rms_norm_kernel[(num_tokens * num_heads,)](
+            x3, res, weight, out, num_heads, x3.stride(0), x3.stride(1), res.stride(0), out.stride(0),
+            out.stride(1), dim, eps, HAS_RESIDUAL=residual is not None,
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if dim >= 2048 else 1)
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, BLOCK_HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    offs = tl.arange(0, BLOCK_HALF)[None, :]
+    ptrs = base_ptr + t.to(tl.int64) * stride_t + heads * stride_h + offs
+    mask = (heads < num_heads) & (offs < half)
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + half, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(ptrs, (a * c - b * s).to(x1.dtype), mask=mask)
+    tl.store(ptrs + half, (b * c + a * s).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_cos, num_q_heads, num_k_heads, half, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Semantics, in place, for every head of token t at position p = pos[t] (rotate-half layout):
+        x1, x2 = x[:half], x[half:]; c, s = cos[p, :half], sin[p, :half]
+        x = [x1*c - x2*s, x2*c + x1*s]   (float32, rounded once)
+    """
+    t = tl.program_id(0)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cos_ptr + p * stride_cos + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + p * stride_cos + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, half, BLOCK_HALF, BLOCK_H)
+    _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, half, BLOCK_HALF, BLOCK_H)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos, sin: [max_positions, D] (halves repeated)."""
+    num_tokens, num_q_heads, dim = q.shape
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            num_q_heads, k.shape[1], dim // 2, BLOCK_HALF=triton.next_power_of_2(dim // 2),
+            BLOCK_H=triton.next_power_of_2(max(num_q_heads, k.shape[1])), num_warps=4)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
+    """Semantics: out[t] = round(silu(x[t, :I])) * x[t, I:]   (rounded once more)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    row = x_ptr + t.to(tl.int64) * stride_xt
+    g = tl.load(row + offs, mask=mask, other=0.0)
+    u = tl.load(row + inter + offs, mask=mask, other=0.0)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] (gate | up) -> [T, I]."""
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
+                                                                       BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,104 @@
+"""The disk tier: reads PEFT directories and packs them into host buffers, on a thread pool.
+
+With overlap loading, reads never run in the step loop: `start` hands one to a worker thread (its host
+cache entry already reserved by the caller) and `poll` files the finished ones into the host cache.
+Blocking loads read in the caller's thread with `read_now`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from worker.lora.adapter import AdapterSpec, read_adapter
+from worker.lora.gpu_pool import SlotLayout
+from worker.lora.host_cache import HostAdapter, HostCache
+from worker.models.hf_config import ArchConfig
+from worker.request import AdapterRef
+
+logger = logging.getLogger(__name__)
+
+
+class PackedReader:
+    """spec -> HostAdapter: read the directory, check it again (it may have changed since it was
+    registered), and pack it in the GPU slot layout."""
+
+    def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool):
+        self.arch, self.layout, self.pin = arch, layout, pin
+
+    def __call__(self, spec: AdapterSpec) -> HostAdapter:
+        adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
+        return HostAdapter(self.layout.pack(adapter, self.pin), adapter.spec.rank)
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    ref: AdapterRef
+    entry: HostAdapter | None        # None when the read failed
+    error: str | None
+    seconds: float
+
+
+class AdapterLoader:
+    """Reads registered adapters into `host`. `read` (spec -> HostAdapter) and `executor` may be
+    replaced, e.g. by tests that hold a read back or run reads inline."""
+
+    def __init__(self, read: Callable[[AdapterSpec], HostAdapter], host: HostCache, num_workers: int):
+        self.read = read
+        self.host = host
+        self._specs: dict[AdapterRef, AdapterSpec] = {}
+        self.executor: concurrent.futures.Executor = concurrent.futures.ThreadPoolExecutor(
+            num_workers, thread_name_prefix="lora-read")
+        self._reads: dict[concurrent.futures.Future, AdapterRef] = {}
+
+    def register(self, ref: AdapterRef, spec: AdapterSpec) -> None:
+        self._specs[ref] = spec
+
+    def forget(self, ref: AdapterRef) -> None:
+        self._specs.pop(ref, None)
+
+    def start(self, ref: AdapterRef) -> None:
+        """Read `ref` on a worker thread; its host entry is reserved already."""
+        self._reads[self.executor.submit(self._timed_read, self._specs[ref])] = ref
+
+    def read_now(self, ref: AdapterRef) -> tuple[HostAdapter, float]:
+        """Read `ref` in this thread: (entry, seconds). Raises what the read raised."""
+        return self._timed_read(self._specs[ref])
+
+    def poll(self) -> list[ReadResult]:
+        """Reads finished since the last call, filed into the host cache (or their entries given back)."""
+        results = []
+        for future in [f for f in self._reads if f.done()]:
+            ref = self._reads.pop(future)
+            try:
+                entry, seconds = future.result()
+            except Exception as e:   # any failure ends the adapter's queued requests, never the worker
+                logger.warning("Reading adapter %s failed: %s", ref.name, e)
+                self.host.drop(ref)
+                results.append(ReadResult(ref, None, str(e), 0.0))
+                continue
+            if self.host.fill(ref, entry):
+                results.append(ReadResult(ref, entry, None, seconds))
+        return results
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a read finishes or `timeout` seconds pass; False when none finished."""
+        if not self._reads:
+            return False
+        done, _ = concurrent.futures.wait(self._reads, timeout, concurrent.futures.FIRST_COMPLETED)
+        return bool(done)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._reads)
+
+    def _timed_read(self, spec: AdapterSpec) -> tuple[HostAdapter, float]:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            entry = self.read(spec)
+        return entry, time.perf_counter() - start
+
