@@ -11,7 +11,8 @@ loading and prefetch and against one with blocking loads, each starting with col
 Reported per run: TTFT p50 of all requests; ITL p50 of the requests whose adapter was loaded on the GPU
 when they arrived; the host-to-GPU copy bandwidth of adapter loads (bytes over copy time, timed with
 CUDA events on the copy stream); tier counters. `targets` holds the issue's bars: TTFT p50 at least 35%
-lower with overlap, resident-adapter ITL p50 at most 5% worse, copies at 40 GB/s or more.
+lower with overlap, resident-adapter ITL p50 at most 5% worse, copies at 40 GB/s or more. The defaults
+take about 3 minutes on an H100 (adapter files, four engine builds, twelve runs).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from worker.models.hf_config import ArchConfig
 
 logger = logging.getLogger(__name__)
 PATTERNS = {"distinct": ("distinct", 1.0), "uniform": ("uniform", 1.0), "zipf1.5": ("zipf", 1.5)}
+MIN_RESIDENT = 10      # requests with a resident adapter needed to compare ITL
 
 
 @dataclass
@@ -64,8 +66,8 @@ def build_engine(args: argparse.Namespace, rank: int, overlap: bool) -> Engine:
 
 def register(engine: Engine, names: list[str], files: list[str]) -> None:
     """(Re)register every name: a fresh version each time, so all tiers start cold."""
-    for name in list(engine._adapter_refs):
-        engine.remove_adapter(name)
+    for state in engine.adapter_states():
+        engine.remove_adapter(state.name)
     for i, name in enumerate(names):
         engine.add_adapter(name, files[i % len(files)])
 
@@ -161,13 +163,15 @@ def run_rank(args: argparse.Namespace, arch: ArchConfig, rank: int, tmp: Path) -
 
 
 def targets(modes: dict) -> dict:
+    """The issue's bars; the ITL one is None (not judged) when either mode had fewer than
+    MIN_RESIDENT requests whose adapter was resident at arrival (distinct traffic has none)."""
     on, off = modes["overlap"], modes["blocking"]
     reduction = 1 - on["ttft_p50_ms"] / off["ttft_p50_ms"]
-    itl = (on["itl_p50_resident_ms"] / off["itl_p50_resident_ms"]
-           if on["itl_p50_resident_ms"] and off["itl_p50_resident_ms"] else None)
+    judged = min(on["resident_at_arrival"], off["resident_at_arrival"]) >= MIN_RESIDENT
+    itl = on["itl_p50_resident_ms"] / off["itl_p50_resident_ms"] if judged else None
     rates = [m["h2d_GBps"] for m in (on, off) if m["h2d_GBps"]]
     return {"ttft_p50_reduction": reduction, "ttft_ok": reduction >= 0.35,
-            "itl_p50_resident_ratio": itl, "itl_ok": itl is not None and itl <= 1.05,
+            "itl_p50_resident_ratio": itl, "itl_ok": None if itl is None else itl <= 1.05,
             "h2d_GBps_min": min(rates, default=None), "h2d_ok": bool(rates) and min(rates) >= 40}
 
 

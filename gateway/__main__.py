@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", help="the model directory (same as --model)")
     serve.add_argument("--model", help="Hugging Face model directory: config.json, weights, tokenizer")
     _add_serving_args(serve)
+    commands.add_parser("bench", help="the serving benchmark (python -m bench.serve); `loraplex bench --help`",
+                        add_help=False)
     demo = commands.add_parser("demo", help="build (once) and serve the embedded demo model and adapters")
     demo.add_argument("--cache-dir", help="where the demo is built; default: worker.demo's own default")
     _add_serving_args(demo)
@@ -73,6 +75,11 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:          # its own parser: every flag after `bench` belongs to it
+        from bench.serve import main as bench_main
+        bench_main(argv[1:])
+        return
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
