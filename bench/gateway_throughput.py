@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +41,9 @@ SERVED_NAME = "bench"
 PROMPT = "A language model server"
 GOAL_TOKENS_PER_S = 20_000
 STARTUP_SECONDS = 60
+# An idle pooled connection must expire on the client well before uvicorn's 5 s keep-alive timeout
+# closes it, or a request sent just as the server closes it fails with a reset connection.
+KEEPALIVE_EXPIRY_S = 1.0
 
 
 @dataclass
@@ -117,15 +121,20 @@ def stop_gateway(process: subprocess.Popen) -> None:
 
 def run_client(url: str, num_streams: int, max_tokens: int, start_at: float, stop_at: float,
                cpus: list[int] | None, results: multiprocessing.Queue) -> None:
+    """Client process: its ClientResult as a dict, or {"error": traceback}, goes to `results`."""
     if cpus:
         os.sched_setaffinity(0, cpus)
-    results.put(asdict(asyncio.run(drive_streams(url, num_streams, max_tokens, start_at, stop_at))))
+    try:
+        results.put(asdict(asyncio.run(drive_streams(url, num_streams, max_tokens, start_at, stop_at))))
+    except Exception:
+        results.put({"error": traceback.format_exc()})
 
 
 async def drive_streams(url: str, num_streams: int, max_tokens: int, start_at: float,
                         stop_at: float) -> ClientResult:
     result = ClientResult()
-    limits = httpx.Limits(max_connections=num_streams, max_keepalive_connections=num_streams)
+    limits = httpx.Limits(max_connections=num_streams, max_keepalive_connections=num_streams,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as http:
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         await asyncio.gather(*(stream_until(http, max_tokens, stop_at, result) for _ in range(num_streams)))
@@ -204,7 +213,11 @@ def measure(url: str, process: subprocess.Popen, args: argparse.Namespace,
     tokens_before = generation_tokens_total(url)
     time.sleep(max(0.0, start_at - time.monotonic()))
     cpu_before = gateway.cpu_times()
-    collected = [ClientResult(**results.get(timeout=args.duration + 300)) for _ in clients]
+    answers = [results.get(timeout=args.duration + 300) for _ in clients]
+    failed = [a["error"] for a in answers if "error" in a]
+    if failed:
+        raise RuntimeError(f"a client process failed:\n{failed[0]}")
+    collected = [ClientResult(**a) for a in answers]
     cpu_after = gateway.cpu_times()
     for client in clients:
         client.join()
@@ -246,7 +259,7 @@ def run(args: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=64, help="concurrent SSE streams")
-    parser.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
+    parser.add_argument("--clients", type=int, default=2, help="client processes sharing the streams")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds during which requests start")
     parser.add_argument("--client-startup", type=float, default=2.0, help="seconds allowed for clients to start")

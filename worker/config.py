@@ -23,7 +23,7 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9     # share of device memory the worker may use (CUDA)
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default: cpu_kv_cache_bytes
-    cpu_kv_cache_bytes: int = 1 << 30
+    cpu_kv_cache_bytes: int = 256 << 20
     num_blocks_override: int | None = None  # tests: an exact pool size
 
 

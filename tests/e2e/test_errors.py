@@ -15,6 +15,7 @@ COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
 TOO_LONG_FOR_OUTPUT = ("'max_tokens' or 'max_completion_tokens' is too large: 100. This model's maximum context "
                        "length is 2048 tokens and your request has 2000 input tokens (100 > 2048 - 2000).")
+STREAM_OPTIONS = "Stream options can only be defined when `stream=True`."
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ CASES = {
                                  None, "This model's maximum context length is 2048 tokens. However, your ..."),
     "prompt-plus-output-too-long": case(COMPLETIONS, {"prompt": [5] * 2000, "max_tokens": 100}, None,
                                         TOO_LONG_FOR_OUTPUT),
+    "chat-prompt-plus-output-too-long": case(CHAT, {"messages": HI, "max_completion_tokens": 3000}, None,
+                                             "'max_tokens' or 'max_completion_tokens' is too large: 3000. This "
+                                             "model's maximum context length is 2048 tokens and your request ..."),
     "out-of-vocab": case(COMPLETIONS, {"prompt": [1, 2, 1536]}, "prompt", "Token id 1536 is out of vocabulary"),
     "negative-token-id": case(COMPLETIONS, {"prompt": [[3], [-1]]}, "prompt", "Token id -1 is out of vocabulary"),
     "empty-prompt": case(COMPLETIONS, {"prompt": ""}, "prompt",
@@ -76,10 +80,10 @@ CASES = {
     "max-completion-tokens-negative": case(CHAT, {"messages": HI, "max_completion_tokens": -1},
                                            "max_completion_tokens", "max_tokens must be at least 1, got -1."),
     "stream-options-without-stream": case(COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}},
-                                          "stream_options", "Stream options can only be defined when `stream=True`."),
+                                          "stream_options", STREAM_OPTIONS),
     "chat-stream-options-stream-false": case(CHAT, {"messages": HI, "stream": False,
                                                     "stream_options": {"include_usage": True}},
-                                             "stream_options", "Stream options can only be defined when `stream=True`."),
+                                             "stream_options", STREAM_OPTIONS),
 }
 
 

@@ -47,13 +47,12 @@ async def test_concurrent_mixed_adapter_streams_never_cross(server, reference):
     assert together == alone
 
 
-async def wait_for_no_running_request(server) -> float:
-    """Seconds until vllm:num_requests_running reads 0; fails after ABORT_SECONDS."""
+async def wait_for_no_running_request(server) -> None:
+    """Polls until vllm:num_requests_running reads 0; fails after ABORT_SECONDS."""
     start = time.monotonic()
     while server.metric("vllm:num_requests_running") != 0:
         assert time.monotonic() - start < ABORT_SECONDS, "the abandoned request is still running"
         await asyncio.sleep(0.05)
-    return time.monotonic() - start
 
 
 async def leave_stream_after_chunks(server, path: str, body: dict, num_chunks: int) -> None:

@@ -1,0 +1,25 @@
+"""A short run of the gateway throughput bench: its JSON report, and tokens counted equal tokens sent."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.gateway_throughput import main
+
+STREAMS, MAX_TOKENS = 3, 40
+
+
+def test_short_run_counts_every_token_the_worker_sent(tmp_path):
+    out = tmp_path / "throughput.json"
+    main(["--streams", str(STREAMS), "--clients", "2", "--max-tokens", str(MAX_TOKENS), "--duration", "1.5",
+          "--client-startup", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert (report["streams"], report["clients"], report["max_tokens"]) == (STREAMS, 2, MAX_TOKENS)
+    assert report["requests"] >= STREAMS
+    assert report["tokens"] == report["chunks"] == report["tokens_sent_by_worker"] == \
+        report["requests"] * MAX_TOKENS
+    assert report["elapsed_s"] >= 1.5
+    assert report["tokens_per_s"] == pytest.approx(report["tokens"] / report["elapsed_s"], rel=1e-3)
+    assert report["gateway_cpu_s"] > 0
+    assert report["command"].startswith("python -m bench.gateway_throughput --streams 3")
