@@ -23,6 +23,7 @@ from bench.make_adapters import make_adapter
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
+from worker.lora.adapter import module_shapes
 from worker.models.hf_config import ArchConfig
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ def weight_bytes(engine: Engine) -> int:
 
 
 def adapter_bytes(arch: ArchConfig, rank: int) -> int:
-    h, i, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
-    per_layer = rank * ((h + q) + (h + kv) * 2 + (q + h) + (h + i) * 2 + (i + h))
+    """Bytes of a bf16 adapter of `rank` on all seven projections of every layer."""
+    per_layer = sum(rank * (fan_in + fan_out) for fan_in, fan_out in module_shapes(arch).values())
     return per_layer * arch.num_layers * 2
 
 

@@ -12,16 +12,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from worker.lora.adapter import SUPPORTED_TARGETS as ALL_TARGETS
+from worker.lora.adapter import module_shapes
 from worker.models.hf_config import ArchConfig
 
 logger = logging.getLogger(__name__)
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
-    h, i = arch.hidden_size, arch.intermediate_size
-    return {"q_proj": (h, arch.q_size), "k_proj": (h, arch.kv_size), "v_proj": (h, arch.kv_size),
-            "o_proj": (arch.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
 def make_adapter(path: Path, arch: ArchConfig, rank: int, targets=ALL_TARGETS, seed: int = 0,

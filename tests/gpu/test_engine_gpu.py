@@ -14,8 +14,8 @@ from worker.ipc.messages import SamplingParams
 pytestmark = pytest.mark.gpu
 NUM_STEPS = 32
 ROWS = [(7, None), (23, "r4-qv"), (5, "r8-all"), (40, None), (11, "r16-mlp-rs"), (17, "r8-all"), (9, "r4-qv")]
-# The tiny random models amplify bf16 rounding chaotically (HF's own bf16 logits are 2-20% of a step's
-# largest logit away from its fp32 ones), so our bf16 error is bounded relative to HF's bf16 error, both
+# The tiny random models amplify bf16 rounding chaotically (on the H100, HF's own bf16 logits were a
+# median 0.7-4.6% and at worst 47% of a step's largest logit away from its fp32 ones), so our bf16 error is bounded relative to HF's bf16 error, both
 # against HF in fp32 along the same tokens: our median error over the steps may be at most this factor
 # above HF's (the max over steps is too noisy a statistic to bound this way; it is printed).
 BF16_ERROR_FACTOR = 2.0

@@ -250,7 +250,7 @@ def _check_modules(name: str, path: Path, header: dict, arch: ArchConfig,
             raise AdapterError(f"adapter targets module {target!r}, which the base model lacks or "
                                f"LoRA does not support; supported: {list(SUPPORTED_TARGETS)}")
         pairs.setdefault((layer, target), {})[ab] = key
-    expected = _module_shapes(arch)
+    expected = module_shapes(arch)
     for (layer, target), keys in sorted(pairs.items()):
         if "A" not in keys or "B" not in keys:
             raise AdapterError(f"adapter '{name}': layer {layer} {target} has lora_A or lora_B missing")
@@ -261,7 +261,7 @@ def _check_modules(name: str, path: Path, header: dict, arch: ArchConfig,
     return dict(sorted(pairs.items()))
 
 
-def _module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
+def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each target module of the base model."""
     h, i = arch.hidden_size, arch.intermediate_size
     return {"q_proj": (h, arch.q_size), "k_proj": (h, arch.kv_size), "v_proj": (h, arch.kv_size),
