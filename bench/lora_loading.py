@@ -98,7 +98,7 @@ def replay(engine: Engine, workload: Workload, seed: int) -> Timeline:
         now = time.perf_counter() - start
         while sent < len(specs) and due[sent] <= now:
             spec, request_id = specs[sent], f"r{sent}"
-            ref = engine._adapter_refs[spec.adapter]
+            ref = engine.adapters.refs[spec.adapter]
             timeline.arrival[request_id] = due[sent]
             timeline.resident[request_id] = engine.scheduler.slots.is_loaded(ref)
             engine.add_request(request_id, spec.prompt, SamplingParams(temperature=0.0, max_tokens=spec.output_len,

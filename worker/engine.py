@@ -9,23 +9,21 @@ carries the loads out, between `schedule()` and the forward pass, and files them
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
 from worker.batch import ScheduledBatch
 from worker.config import WorkerConfig
-from worker.ipc.messages import AdapterState, LoRAStats, LoRATierStats, RequestOutput, SamplingParams
+from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
-from worker.lora.adapter import AdapterError, AdapterSpec, inspect_adapter
 from worker.lora.host_cache import HostAdapter, HostCache
 from worker.lora.loader import AdapterLoader, PackedReader
 from worker.lora.prefetcher import Prefetcher
+from worker.lora.registry import AdapterRegistry
 from worker.lora.slot_table import SlotTable
 from worker.model_runner.runner import ModelRunner
 from worker.models.hf_config import ArchConfig
@@ -39,7 +37,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "half": torch.float16, "float": torch.float32}
 IDLE_LOAD_WAIT_S = 0.05      # with nothing to run, a step waits this long at most for an adapter load
 LOAD_POLL_S = 0.0005
-LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,39 +56,6 @@ def resolve_dtype(name: str, checkpoint: torch.dtype, device: torch.device) -> t
     if device.type == "cpu":
         return torch.float32
     return torch.bfloat16 if checkpoint == torch.float32 else checkpoint
-
-
-@dataclass
-class AdapterVersion:
-    """One registered version of an adapter name (engine bookkeeping)."""
-    spec: AdapterSpec
-    version: int                     # 1 when the name is first loaded, +1 per load_inplace
-    pinned: bool
-    users: int = 0                   # unfinished requests on this version
-    last_used: float | None = None   # unix time of its latest request
-    disk_load_s: float | None = None
-    gpu_load_s: float | None = None
-
-
-@dataclass
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    loads: int = 0
-    loaded_bytes: int = 0
-    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_SECONDS_BUCKETS) + 1))
-    latency_sum: float = 0.0
-
-    def observe(self, seconds: float, num_bytes: int) -> None:
-        self.loads += 1
-        self.loaded_bytes += num_bytes
-        self.latency_counts[bisect.bisect_left(LOAD_SECONDS_BUCKETS, seconds)] += 1
-        self.latency_sum += seconds
-
-    def message(self, evictions: int) -> LoRATierStats:
-        return LoRATierStats(hits=self.hits, misses=self.misses, loads=self.loads, loaded_bytes=self.loaded_bytes,
-                             evictions=evictions, load_seconds_counts=list(self.latency_counts),
-                             load_seconds_sum=self.latency_sum)
 
 
 class Engine:
@@ -115,11 +79,8 @@ class Engine:
                       if lora.enable_lora_overlap_loading else None)
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher)
-        self._adapter_refs: dict[str, AdapterRef] = {}          # registered name -> current version
-        self._versions: dict[AdapterRef, AdapterVersion] = {}   # live versions (current, or still in use)
+        self.adapters = AdapterRegistry(lora, self.arch, slots, self.host_cache, self.loader)
         self._copies_in_flight = 0
-        self._tiers = {"host": TierCounters(), "gpu": TierCounters()}
-        self._uids = itertools.count(1)
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads", self.arch.architecture,
@@ -130,100 +91,18 @@ class Engine:
 
     def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
         """Validate and register an adapter; its weights are read when a request first needs them."""
-        if name in self._adapter_refs and not load_inplace:
-            raise AdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                               "adapter in place, set 'load_inplace' to True.")
-        spec = inspect_adapter(name, path, self.arch, self.config.lora.max_lora_rank)
-        if pinned:
-            self._check_pin_room(name)
-        old = self._adapter_refs.get(name)
-        ref = AdapterRef(name, next(self._uids))
-        self._adapter_refs[name] = ref
-        self._versions[ref] = AdapterVersion(spec, 1 if old is None else self._versions[old].version + 1, pinned)
-        self.loader.register(ref, spec)
-        if pinned:
-            self.scheduler.slots.pin(ref)
-            self.host_cache.pin(ref)
-        if old is not None:
-            self._release_version(old)
-        logger.info("adapter %s (rank %d, %s) registered from %s", name, spec.rank,
-                    ",".join(spec.target_modules), path)
+        self.adapters.add(name, path, load_inplace=load_inplace, pinned=pinned)
 
     def remove_adapter(self, name: str) -> None:
         """Unregister `name`: new requests get 404, unfinished ones finish, then its memory is freed."""
-        ref = self._adapter_refs.pop(name, None)
-        if ref is None:
-            raise AdapterError(f"The lora adapter '{name}' cannot be found.", status_code=404)
-        self._release_version(ref)
+        self.adapters.remove(name)
 
     def adapter_states(self) -> list[AdapterState]:
-        """Where each registered adapter stands, by name."""
-        running = Counter(r.adapter for r in self.scheduler.running)
-        waiting = Counter(r.adapter for r in self.scheduler.waiting)
-        return [self._state(ref, running[ref], waiting[ref]) for _, ref in sorted(self._adapter_refs.items())]
+        return self.adapters.states(Counter(r.adapter for r in self.scheduler.running),
+                                    Counter(r.adapter for r in self.scheduler.waiting))
 
     def lora_stats(self) -> LoRAStats:
-        tiers = self._tiers
-        return LoRAStats(gpu_slots_used=self.scheduler.slots.num_used,
-                         gpu_slots_total=self.scheduler.slots.num_slots, host_entries=len(self.host_cache),
-                         host_capacity=self.host_cache.capacity, host_bytes=self.host_cache.num_bytes,
-                         load_seconds_buckets=list(LOAD_SECONDS_BUCKETS),
-                         host=tiers["host"].message(self.host_cache.evictions),
-                         gpu=tiers["gpu"].message(self.scheduler.slots.evictions))
-
-    def _state(self, ref: AdapterRef, num_running: int, num_waiting: int) -> AdapterState:
-        v, slots = self._versions[ref], self.scheduler.slots
-        residency = ("gpu" if slots.is_loaded(ref) else "host" if self.host_cache.is_filled(ref) else "disk")
-        loading = slots.is_loading(ref) or (ref in self.host_cache and not self.host_cache.is_filled(ref))
-        return AdapterState(name=ref.name, path=v.spec.path, version=v.version, residency=residency,
-                            loading=loading, slot=slots.slot_of(ref), rank=v.spec.rank,
-                            target_modules=list(v.spec.target_modules), pinned=v.pinned, last_used=v.last_used,
-                            disk_load_ms=_ms(v.disk_load_s), gpu_load_ms=_ms(v.gpu_load_s),
-                            num_running=num_running, num_waiting=num_waiting)
-
-    def _check_pin_room(self, name: str) -> None:
-        """At least one GPU slot and one host-cache entry must stay free of pinned adapters."""
-        pinned = sum(self._versions[ref].pinned for n, ref in self._adapter_refs.items() if n != name)
-        lora = self.config.lora
-        room = min(lora.max_loras, lora.max_cpu_loras or lora.max_loras)
-        if pinned + 1 >= room:
-            raise AdapterError(f"Cannot pin LoRA adapter '{name}': {pinned} adapters are pinned already, and "
-                               f"at least one of the {room} adapter places (--max-loras, --max-cpu-loras) must "
-                               "stay free for unpinned adapters.")
-
-    def _release_version(self, ref: AdapterRef) -> None:
-        """Forget an old version once no unfinished request runs on it."""
-        version = self._versions.get(ref)
-        if version is None or version.users > 0:
-            return
-        del self._versions[ref]
-        for tier in (self.scheduler.slots, self.host_cache):
-            tier.drop(ref)
-            tier.unpin(ref)
-        self.loader.forget(ref)
-
-    def _resolve_adapter(self, name: str) -> AdapterRef:
-        """The current version of `name`, auto-loaded from a --lora-dir root on first use."""
-        ref = self._adapter_refs.get(name)
-        if ref is None:
-            path = self.config.lora.find_adapter_dir(name)
-            if path is None:
-                raise AdapterError(f"The model `{name}` does not exist.", status_code=404)
-            self.add_adapter(name, path)
-            ref = self._adapter_refs[name]
-        v = self._versions[ref]
-        v.users += 1
-        v.last_used = time.time()
-        gpu, host = self._tiers["gpu"], self._tiers["host"]
-        if self.scheduler.slots.slot_of(ref) is not None:
-            gpu.hits += 1
-        else:
-            gpu.misses += 1
-            if ref in self.host_cache:
-                host.hits += 1
-            else:
-                host.misses += 1
-        return ref
+        return self.adapters.stats()
 
     # requests
 
@@ -232,7 +111,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
-        ref = None if lora_name is None else self._resolve_adapter(lora_name)
+        ref = None if lora_name is None else self.adapters.acquire(lora_name)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), ref,
                           tuple(self.eos_token_ids), self.max_model_len)
         self._requests[request_id] = request
@@ -318,7 +197,7 @@ class Engine:
             raise
         if cached:
             self.host_cache.fill(ref, entry)
-        self._loaded(ref, "host", seconds, entry.num_bytes)
+        self.adapters.loaded(ref, "host", seconds, entry.num_bytes)
         return entry
 
     def _collect_loads(self, outputs: list[RequestOutput]) -> bool:
@@ -329,12 +208,12 @@ class Engine:
             if read.error is not None:
                 outputs += self._fail_adapter(read.ref, read.error)
             else:
-                self._loaded(read.ref, "host", read.seconds, read.entry.num_bytes)
+                self.adapters.loaded(read.ref, "host", read.seconds, read.entry.num_bytes)
         copies = self.runner.finished_adapter_loads()
         self._copies_in_flight -= len(copies)
         for load in copies:
             if self.scheduler.slots.mark_loaded(load.key):
-                self._loaded(load.key, "gpu", load.seconds, load.source.numel())
+                self.adapters.loaded(load.key, "gpu", load.seconds, load.source.numel())
         return bool(reads or copies)
 
     def _await_load(self, deadline: float, outputs: list[RequestOutput]) -> bool:
@@ -349,16 +228,6 @@ class Engine:
             else:
                 time.sleep(LOAD_POLL_S)
         return False
-
-    def _loaded(self, ref: AdapterRef, tier: str, seconds: float, num_bytes: int) -> None:
-        self._tiers[tier].observe(seconds, num_bytes)
-        version = self._versions.get(ref)
-        if version is None:
-            return
-        if tier == "host":
-            version.disk_load_s = seconds
-        else:
-            version.gpu_load_s = seconds
 
     def _fail_adapter(self, ref: AdapterRef, error: str, batch: ScheduledBatch | None = None) -> list[RequestOutput]:
         """End every unfinished request of `ref` with an error: its weights could not be read."""
@@ -389,12 +258,5 @@ class Engine:
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
-        version = None if request.adapter is None else self._versions.get(request.adapter)
-        if version is not None:
-            version.users -= 1
-            if self._adapter_refs.get(request.adapter.name) != request.adapter:
-                self._release_version(request.adapter)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1e3 * seconds, 3)
+        if request.adapter is not None:
+            self.adapters.release(request.adapter)

@@ -464,11 +464,11 @@ def test_pinned_adapter_is_never_evicted(llama, variants):
     for name in ("v1", "v2", "v3"):
         engine.add_adapter(name, variants[name])
     run(engine, {0: [("p", prompt(3, 17), greedy(2), "pin")]})
-    slot = engine.scheduler.slots.slot_of(engine._adapter_refs["pin"])
+    slot = engine.scheduler.slots.slot_of(engine.adapters.refs["pin"])
     for i, name in enumerate(["v1", "v2", "v3", "v1"]):
         run(engine, {0: [(f"r{i}", prompt(3, i), greedy(2), name)]})
-        assert engine.scheduler.slots.slot_of(engine._adapter_refs["pin"]) == slot
-        assert engine.host_cache.is_filled(engine._adapter_refs["pin"])
+        assert engine.scheduler.slots.slot_of(engine.adapters.refs["pin"]) == slot
+        assert engine.host_cache.is_filled(engine.adapters.refs["pin"])
     assert [s.pinned for s in engine.adapter_states()] == [True, False, False, False]
     with pytest.raises(AdapterError, match="Cannot pin LoRA adapter 'v1': 1 adapters are pinned already"):
         engine.add_adapter("v1", variants["v1"], load_inplace=True, pinned=True)
