@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from bench.presets import PRESETS
 from bench.report import PERCENTILES, RequestRecord
 from bench.serve import Endpoint, Progress, build_parser, workload_from_args
 from bench.workloads import RequestSpec, Workload
+from tests.server_process import free_port, wait_until_healthy
 from worker.demo import SERVED_MODEL_NAME, build_demo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -169,12 +169,6 @@ def test_flags_alone_build_a_workload():
 
 # whole runs against a live demo server on CPU
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     demo = build_demo(tmp_path_factory.getbasetemp() / "bench-demo")
@@ -196,20 +190,6 @@ def server(tmp_path_factory):
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
-
-
-def wait_until_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"the server was not healthy within 120 s:\n{log_path.read_text()}")
 
 
 def reference_stats(values_s: list[float]) -> dict[str, float]:

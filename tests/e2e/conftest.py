@@ -12,10 +12,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import psutil
 import pytest
 import tokenizers
 
+from tests.server_process import free_port, wait_until_healthy
 from worker.demo import ADAPTERS, SERVED_MODEL_NAME, DemoAssets, build_demo
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -106,12 +105,6 @@ class Reference:
         return [t for o in self.generate(prompt_ids, adapter, **params) for t in o.new_token_ids]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(demo: DemoAssets, port: int) -> list[str]:
     modules = [f"{name}={path}" for name, path in demo.adapters.items() if name != PINNED_ADAPTER]
     modules.append(json.dumps({"name": PINNED_ADAPTER, "path": str(demo.adapters[PINNED_ADAPTER]), "pinned": True}))
@@ -119,21 +112,6 @@ def server_command(demo: DemoAssets, port: int) -> list[str]:
             "--served-model-name", SERVED_MODEL_NAME, "--lora-modules", *modules,
             "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--max-loras", str(MAX_LORAS),
             "--api-key", API_KEY, "--uvicorn-log-level", "warning"]
-
-
-def wait_until_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode} during startup:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    pytest.fail(f"the server was not healthy within {STARTUP_SECONDS} s:\n{log_path.read_text()}")
 
 
 def shm_segments(pid: int) -> list[str]:
@@ -175,7 +153,7 @@ def server(demo, tmp_path_factory) -> Server:
                                    stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_healthy(process, url, log_path)
+        wait_until_healthy(process, url, log_path, STARTUP_SECONDS)
         yield Server(url, API_KEY, demo)
     finally:
         if process.poll() is None:
