@@ -16,6 +16,9 @@ from gateway.config import GatewayConfig, LoRAModule, parse_lora_module
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 
 logger = logging.getLogger("gateway")
+# Idle connections stay open longer than httpx (and so the OpenAI SDK) keeps them pooled (5 s): with equal
+# timeouts a client can send on a connection the server is closing and get a connection reset.
+KEEP_ALIVE_S = 15
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +106,8 @@ def serve(config: GatewayConfig) -> None:
         app = build_app(config, WorkerClient(config.worker_config()))
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def _use_demo_assets(args: argparse.Namespace) -> None:

@@ -1,0 +1,17 @@
+"""The server keeps idle connections open longer than httpx / the OpenAI SDK pools them."""
+from __future__ import annotations
+
+import httpx
+
+import gateway.__main__ as cli
+
+
+def test_keep_alive_outlasts_the_client_pool_expiry(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr("gateway.app.build_app", lambda config, client: object())
+    monkeypatch.setattr("gateway.worker_client.WorkerClient", lambda config: object())
+    args = cli.build_parser().parse_args(["serve", "--model", "/nonexistent", "--port", "8123"])
+    cli.serve(cli.GatewayConfig.from_args(args))
+    client_expiry = httpx.Limits().keepalive_expiry
+    assert seen["port"] == 8123 and seen["timeout_keep_alive"] > client_expiry
