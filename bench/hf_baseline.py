@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from bench.report import RequestRecord, format_summary, stats_ms, summarize, write_plots
+from bench.report import RequestRecord, format_summary, stats_ms, summarize, write_result
 from bench.serve import add_workload_arguments, workload_from_args
 from bench.workloads import RequestSpec
 
@@ -199,13 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = {"backend": "hf-peft", "preset": args.preset, "model": args.model, "load_format": args.load_format,
                 "device": str(device), "dtype": str(dtype).removeprefix("torch."), "seed": args.seed,
                 **{k: v for k, v in dataclasses.asdict(workload).items() if k not in IGNORED_WORKLOAD_FIELDS}}
-    result = {"summary": summary, "settings": settings, "records": [r.to_json() for r in records]}
-    out = Path(args.out or f"bench-hf-{args.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plots = [] if args.no_plots else write_plots(records, out.with_suffix(""))
-    logger.info("wrote %s", ", ".join(str(p) for p in [out, *plots]))
-    return result
+    return write_result(records, summary, settings, args.out, f"bench-hf-{args.preset or 'custom'}",
+                        not args.no_plots)
 
 
 if __name__ == "__main__":

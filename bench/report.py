@@ -10,8 +10,10 @@ server that sends several tokens in one chunk makes fewer, longer ITLs; TPOT is 
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,3 +157,16 @@ def write_plots(records: list[RequestRecord], stem: Path) -> list[Path]:
     fig.savefig(paths[1], dpi=120)
     plt.close(fig)
     return paths
+
+
+def write_result(records: list[RequestRecord], summary: dict[str, Any], settings: dict[str, Any],
+                 out: str | None, default_prefix: str, plots: bool) -> dict[str, Any]:
+    """Write {summary, settings, records} as JSON to `out` (default: `<prefix>-<time>.json`) and, unless
+    `plots` is False, the PNG plots beside it; returns what was written."""
+    result = {"summary": summary, "settings": settings, "records": [r.to_json() for r in records]}
+    path = Path(out or f"{default_prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    written = [path, *(write_plots(records, path.with_suffix("")) if plots else [])]
+    logger.info("wrote %s", ", ".join(str(p) for p in written))
+    return result

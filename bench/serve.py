@@ -25,13 +25,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.presets import PRESETS
-from bench.report import RequestRecord, format_summary, summarize, write_plots
+from bench.report import RequestRecord, format_summary, summarize, write_result
 from bench.workloads import ADAPTER_CHOICES, ARRIVALS, RequestSpec, Workload, adapter_names, length_range
 
 logger = logging.getLogger("bench.serve")
@@ -288,14 +287,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                               not args.no_progress, args.request_timeout))
     summary = summarize(records, duration)
     logger.info("\n%s", format_summary(summary, f"Serving benchmark: {args.preset or 'custom'}"))
-    result = {"summary": summary, "settings": _settings(args, endpoint, workload),
-              "records": [r.to_json() for r in records]}
-    out = Path(args.out or f"bench-serve-{args.preset or 'custom'}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plots = [] if args.no_plots else write_plots(records, out.with_suffix(""))
-    logger.info("wrote %s", ", ".join(str(p) for p in [out, *plots]))
-    return result
+    return write_result(records, summary, _settings(args, endpoint, workload), args.out,
+                        f"bench-serve-{args.preset or 'custom'}", not args.no_plots)
 
 
 def _settings(args: argparse.Namespace, endpoint: Endpoint, workload: Workload) -> dict[str, Any]:
