@@ -21,7 +21,7 @@ class LoRAWeights:
     a: torch.Tensor            # [num_slots, num_slices * R, in_features]
     b: torch.Tensor            # [num_slots, out_features, R]
     scalings: torch.Tensor     # [num_slots, num_slices] float32
-    slice_offsets: list[int]   # [num_slices + 1]
+    slice_offsets: tuple[int, ...]   # [num_slices + 1]; host ints the kernels compile in
 
     @property
     def num_slices(self) -> int:
@@ -67,7 +67,7 @@ class Linear(nn.Module):
             xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
                              info.num_segments, info.max_seg_len)
             lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                        tuple(w.slice_offsets), info.num_segments, info.max_seg_len)
+                        w.slice_offsets, info.num_segments, info.max_seg_len)
             return
         xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
                                    info.ranks_host, w.num_slices)

@@ -73,7 +73,7 @@ class SlotLayout:
         return {key: LoRAWeights(a=view(r.a_offset, r.a_shape, self.dtype),
                                  b=view(r.b_offset, r.b_shape, self.dtype),
                                  scalings=view(r.scalings_offset, (len(r.slice_offsets) - 1,), torch.float32),
-                                 slice_offsets=list(r.slice_offsets))
+                                 slice_offsets=r.slice_offsets)
                 for key, r in self.regions.items()}
 
     @torch.no_grad()
