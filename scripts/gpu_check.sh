@@ -10,14 +10,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 MODEL=bench/configs/llama-3.1-8b
 
-serve_preset() {   # serve_preset NAME SERVER_FLAGS...: the 8B dummy server, then bench.serve's preset
-  local name=$1; shift
+serve_preset() {   # serve_preset NAME: the 8B dummy server with the preset's flags and adapters, then the preset
+  local name=$1 adapters=/tmp/adapters-$1
+  read -r -a make_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].make_adapters_args())")"
+  read -r -a server_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].server_args)")"
+  python3 -m bench.make_adapters --config $MODEL --out $adapters "${make_args[@]}" > /dev/null 2>&1
+  echo "preset $name: server ${server_args[*]}, adapters ${make_args[*]}" >> "$OUT/serve.log"
   python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok --load-format dummy --max-model-len 4096 \
-    --port 8100 --uvicorn-log-level warning --lora-modules $(for i in $(seq 0 15); do echo lora-$i=/tmp/adapters/lora-$i; done) \
-    "$@" >> "$OUT/serve.log" 2>&1 &
+    --port 8100 --uvicorn-log-level warning --lora-modules $(for a in $adapters/*; do echo "${a##*/}=$a"; done) \
+    "${server_args[@]}" >> "$OUT/serve.log" 2>&1 &
   local pid=$!
   for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
-  timeout 240 python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress \
+  timeout 200 python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress \
     --out "$OUT/$name.json" >> "$OUT/serve.log" 2>&1
   echo "preset $name: rc=$?" >> "$OUT/serve.log"
   kill $pid; wait $pid
@@ -31,11 +35,9 @@ for stage in $stages; do
     decode)  timeout 300 python3 -m bench.decode_step --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     serve)   python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
-             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters --num 16 --rank 16 > /dev/null 2>&1
-             serve_preset sglang-single-adapter --max-loras 1
-             serve_preset sglang-multi-adapter --max-loras 3
-             serve_preset overlap-loading --max-loras 8 --max-cpu-loras 16 ;;
-    hf)      timeout 200 python3 -m bench.hf_baseline --model $MODEL --load-format dummy --lora-dir /tmp/adapters \
+             for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset; done ;;
+    hf)      python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters --num 6 --rank 16 > /dev/null 2>&1
+             timeout 200 python3 -m bench.hf_baseline --model $MODEL --load-format dummy --lora-dir /tmp/adapters \
                --preset sglang-multi-adapter --num-prompts 64 --batch-size 32 --no-plots \
                --out "$OUT/hf_baseline.json" >> "$OUT/serve.log" 2>&1 ;;
     loading) timeout 300 python3 -m bench.lora_loading --out "$OUT/lora_loading.json" > "$OUT/loading.log" 2>&1 ;;
