@@ -5,6 +5,7 @@
 The memory floor of a step is the bytes it must read (base weights, plus the weights of the adapters
 in the batch) divided by the device copy bandwidth measured in the same run. Step times are the wall
 time of Engine.step() (host work included) and, for graph runs, the replay alone timed with CUDA events.
+--profile adds each kernel's device time per step (torch.profiler), graph and eager.
 """
 from __future__ import annotations
 
@@ -67,10 +68,55 @@ def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: i
         t0 = time.perf_counter()
         engine.step()
         wall.append(time.perf_counter() - t0)
+    result = {"batch": batch, "step_ms_median": 1e3 * statistics.median(wall),
+              "step_ms_mean": 1e3 * statistics.fmean(wall)}
+    if engine.runner.graph_runner is not None:
+        result["replay_ms"] = replay_ms(engine, batch, any(adapters))
     for request_id in list(engine._requests):
         engine.abort_request(request_id)
-    return {"batch": batch, "step_ms_median": 1e3 * statistics.median(wall),
-            "step_ms_mean": 1e3 * statistics.fmean(wall)}
+    return result
+
+
+def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
+    """GPU time of the decode graph alone (the last step's inputs, replayed), timed with CUDA events:
+    the step's wall time minus this is host work and sampling."""
+    runner = engine.runner.graph_runner
+    bucket = next(b for b in runner.buckets if b >= batch)
+    graph, _ = runner.graphs[(bucket, lora)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps: int = 5) -> dict:
+    """Device time per step of each kernel (by name) over `steps` decode steps, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", list(range(100, 228)), params, adapters[i % len(adapters)])
+    for _ in range(20):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for request_id in list(engine._requests):
+        engine.abort_request(request_id)
+    per_kernel: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.time_range.elapsed_us() / 1e3 / steps
+            entry[1] += 1 / steps
+    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    return {"kernel_ms_per_step": sum(ms for ms, _ in per_kernel.values()),
+            "launches_per_step": sum(n for _, n in per_kernel.values()),
+            "kernels": [{"name": name, "ms": ms, "count": n} for name, (ms, n) in rows[:30]]}
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -88,6 +134,7 @@ def main() -> None:
     parser.add_argument("--model", default="bench/configs/llama-3.1-8b")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="also record per-kernel device time per step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arch = ArchConfig.from_dir(args.model)
@@ -112,6 +159,10 @@ def main() -> None:
                 result.update(floor_ms=floor_ms, step_over_floor=result["step_ms_median"] / floor_ms)
                 results["runs"][f"{mode}_{name}"] = result
                 logger.info("%s %s: %s", mode, name, result)
+            if args.profile:
+                for name, (batch, names) in {"b1_base": (1, [None]),
+                                             "b32_32lora16": (32, [f"a{i}" for i in range(32)])}.items():
+                    results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, batch, names)
             del engine
             gc.collect()
             torch.cuda.empty_cache()
@@ -122,6 +173,10 @@ def main() -> None:
         "b32_32lora16_over_floor_with_adapters": r["graphs_b32_32lora16"]["step_over_floor"],
         "b1_eager_over_graphs": r["eager_b1_base"]["step_ms_median"] / r["graphs_b1_base"]["step_ms_median"],
         "b32_eager_over_graphs": r["eager_b32_base"]["step_ms_median"] / r["graphs_b32_base"]["step_ms_median"],
+        "b1_base_replay_over_floor": r["graphs_b1_base"]["replay_ms"] / r["graphs_b1_base"]["floor_ms"],
+        "b1_lora16_replay_over_b1_base_replay": r["graphs_b1_lora16"]["replay_ms"] / r["graphs_b1_base"]["replay_ms"],
+        "b32_32lora16_replay_over_floor_with_adapters":
+            r["graphs_b32_32lora16"]["replay_ms"] / r["graphs_b32_32lora16"]["floor_ms"],
     }
     print(json.dumps(results, indent=2))
     if args.out:

@@ -67,6 +67,8 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
     add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "half", "float"), default="auto")
     add("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
     add("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="schedule the next step while the current one runs on the device (default on)")
     add("--seed", type=int, default=ModelConfig.seed)
     add("--host", help="default: all interfaces")
     add("--port", type=int, default=8000)

@@ -57,6 +57,7 @@ class GatewayConfig:
     dtype: str = ModelConfig.dtype
     load_format: str = ModelConfig.load_format
     enforce_eager: bool = False
+    async_scheduling: bool = True
     seed: int = ModelConfig.seed
     host: str | None = None
     port: int = 8000
@@ -83,7 +84,7 @@ class GatewayConfig:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens),
             device=self.device,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
         )
 
     @classmethod
@@ -99,6 +100,6 @@ class GatewayConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
             device=args.device, dtype=args.dtype, load_format=args.load_format,
-            enforce_eager=args.enforce_eager, seed=args.seed, host=args.host, port=args.port,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=args.seed, host=args.host, port=args.port,
             api_key=args.api_key, uvicorn_log_level=args.uvicorn_log_level,
         )

@@ -65,3 +65,4 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"          # auto | cpu | cuda
     enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)
+    async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device

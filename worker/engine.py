@@ -1,6 +1,8 @@
 """The offline engine: add requests and adapters, step, get per-request outputs.
 
-    batch = scheduler.schedule(); out = runner.execute(batch); scheduler.update(batch, out.token_ids)
+    batch = scheduler.schedule(); handle = runner.execute(batch); scheduler.launched(batch)
+    ... the next step's schedule() and execute() ...
+    scheduler.tokens_arrived(batch, handle.result().token_ids)
 
 Adapters live in three tiers: registered on disk (validated, no weights read), packed in the host
 cache (lora/host_cache.py, filled by lora/loader.py's threads), and in a GPU slot (lora/gpu_pool.py,
@@ -25,7 +27,8 @@ from worker.lora.loader import AdapterLoader, PackedReader
 from worker.lora.prefetcher import Prefetcher
 from worker.lora.registry import AdapterRegistry
 from worker.lora.slot_table import SlotTable
-from worker.model_runner.runner import ModelRunner
+from worker.model_runner.runner import ModelRunner, StepHandle
+from worker.model_runner.sampler import has_penalty
 from worker.models.hf_config import ArchConfig
 from worker.request import AdapterRef, Request
 from worker.scheduler.scheduler import Scheduler
@@ -81,6 +84,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher)
         self.adapters = AdapterRegistry(lora, self.arch, slots, self.host_cache, self.loader)
         self._copies_in_flight = 0
+        self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads", self.arch.architecture,
@@ -146,29 +150,60 @@ class Engine:
     # the step
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass. When nothing can run while an adapter load is in flight, waits for the load
-        (up to IDLE_LOAD_WAIT_S) instead of returning empty-handed at once."""
+        """One forward pass, launched; returns the outputs known by then.
+
+        With async scheduling, the batch is launched while the previous one may still run on the
+        device, and the previous batch's tokens are read back after that launch: the host schedules
+        and prepares step N+1 while the device computes step N, and step() returns step N's tokens.
+        When nothing can run while an adapter load is in flight, waits for the load (up to
+        IDLE_LOAD_WAIT_S) instead of returning empty-handed at once."""
         outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not self._may_overlap(self._in_flight[0]):
+            outputs += self._file_tokens()
         deadline = time.monotonic() + IDLE_LOAD_WAIT_S
         while True:
             self._collect_loads(outputs)
             batch = self.scheduler.schedule()
             self._start_loads(batch, outputs)
-            if not batch.is_empty or not self._await_load(deadline, outputs):
+            if not batch.is_empty:
                 break
-            outputs += self._finish(batch, {}, [])     # every schedule() is followed by update()
-        logprobs, token_ids = {}, []
-        if not batch.is_empty:
-            self.runner.wait_for_adapters({s.lora_slot for s in batch.seqs if s.lora_slot >= 0})
-            result = self.runner.execute(batch)
-            for request_id, scored in result.prompt_logprobs.items():
-                self._requests[request_id].prompt_logprobs += scored
-            sampling = [s.request.request_id for s in batch.seqs if s.samples]
-            logprobs, token_ids = dict(zip(sampling, result.logprobs)), result.token_ids
-        return outputs + self._finish(batch, logprobs, token_ids)
+            outputs += self._launched(batch)     # every schedule() is followed by launched()
+            if self._in_flight is not None:
+                outputs += self._file_tokens()   # nothing can run beside it; its tokens may make room
+            elif not self._await_load(deadline, outputs):
+                return outputs
+        self.runner.wait_for_adapters({s.lora_slot for s in batch.seqs if s.lora_slot >= 0})
+        prev = None if self._in_flight is None else self._in_flight[1]
+        launched = (batch, self.runner.execute(batch, prev))
+        outputs += self._launched(batch)
+        if self._in_flight is not None:
+            outputs += self._file_tokens()
+        self._in_flight = launched
+        if not self.config.async_scheduling:
+            outputs += self._file_tokens()
+        return outputs
 
-    def _finish(self, batch: ScheduledBatch, logprobs: dict, token_ids: list[int]) -> list[RequestOutput]:
-        updated = self.scheduler.update(batch, token_ids)
+    def _may_overlap(self, batch: ScheduledBatch) -> bool:
+        """Whether the next batch may be scheduled before `batch`'s tokens are known: not when one of
+        its requests applies penalties, which count the generated tokens themselves."""
+        return not any(has_penalty(s.request.params) for s in batch.seqs if s.samples)
+
+    def _launched(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        rejected = self.scheduler.launched(batch)
+        for request in rejected:
+            self._forget(request)
+        return [self._output(request, {}) for request in rejected]
+
+    def _file_tokens(self) -> list[RequestOutput]:
+        """Wait for the batch in flight and file its tokens with the scheduler."""
+        (batch, handle), self._in_flight = self._in_flight, None
+        result = handle.result()
+        for request_id, scored in result.prompt_logprobs.items():
+            if request_id in self._requests:
+                self._requests[request_id].prompt_logprobs += scored
+        sampling = [s.request.request_id for s in batch.seqs if s.samples]
+        logprobs = dict(zip(sampling, result.logprobs))
+        updated = self.scheduler.tokens_arrived(batch, result.token_ids)
         outputs = [self._output(request, logprobs) for request in updated]
         for request in updated:
             if request.is_finished:

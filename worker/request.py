@@ -32,7 +32,12 @@ class Request:
     max_model_len: int = 1 << 30
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0              # tokens whose K/V sit in the cache
+    num_computed_tokens: int = 0              # tokens whose K/V sit in the cache (or are being computed)
+    # async scheduling: a token sampled by the batch in flight, not yet read back. It counts in
+    # num_tokens (the next step already decodes it, its id taken on the device from that batch's
+    # sampler output row `pending_row`) but is not in output_token_ids until it arrives.
+    num_pending: int = 0
+    pending_row: int = -1
     block_ids: list[int] = field(default_factory=list)   # owned by the scheduler's block allocator
     finish_reason: str | None = None
     stop_reason: int | None = None
@@ -53,13 +58,25 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far, the pending one included."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def reaches_length_limit(self) -> bool:
+        """max_tokens or max_model_len is reached once the tokens sampled so far are in: a request in
+        this state ends when its pending token arrives, whatever that token is."""
+        return self.num_generated >= self.params.max_tokens or self.num_tokens >= self.max_model_len
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Known token ids of positions [start, end); a pending token at the end is left out."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

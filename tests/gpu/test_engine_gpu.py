@@ -26,11 +26,11 @@ def prompts() -> list[list[int]]:
     return [torch.randint(2, 320, (n,), generator=gen).tolist() for n, _ in ROWS]
 
 
-def make_engine(model_dir, enforce_eager: bool, **sched) -> Engine:
+def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, **sched) -> Engine:
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
         lora=LoRAConfig(max_loras=4, max_lora_rank=16), scheduler=SchedulerConfig(max_num_seqs=16, **sched),
-        device="cuda", enforce_eager=enforce_eager))
+        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
     return engine
@@ -41,8 +41,8 @@ def run(engine: Engine, rows=ROWS, capture_logits=False):
     if capture_logits:
         execute = engine.runner.execute
 
-        def capture(batch):
-            out = execute(batch)
+        def capture(batch, prev=None):
+            out = execute(batch, prev)
             for seq, row in zip((s for s in batch.seqs if s.samples), out.logits):
                 logits[seq.request.request_id].append(row.float().cpu())
             return out
@@ -105,6 +105,15 @@ def test_graphs_and_eager_give_identical_tokens(hf_models):
     assert eager == graphs
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_async_and_sync_scheduling_give_identical_tokens(hf_models, enforce_eager):
+    """Pending tokens are gathered on the device from the previous step's sampler output, into the
+    graphs' static inputs and the eager path's alike."""
+    sync, _ = run(make_engine(hf_models["llama"], enforce_eager, async_scheduling=False))
+    overlapped, _ = run(make_engine(hf_models["llama"], enforce_eager, async_scheduling=True))
+    assert overlapped == sync
+
+
 def test_adapter_mix_changes_between_replays_without_recapture(hf_models):
     engine = make_engine(hf_models["llama"], enforce_eager=False)
     captured = len(engine.runner.graph_runner.graphs)
@@ -116,11 +125,13 @@ def test_adapter_mix_changes_between_replays_without_recapture(hf_models):
     assert second == alone
 
 
-def test_steps_make_no_host_device_sync(hf_models):
+@pytest.mark.parametrize("penalties", [False, True], ids=["overlapped", "penalties-file-first"])
+def test_steps_make_no_host_device_sync(hf_models, penalties):
     engine = make_engine(hf_models["qwen3"], enforce_eager=False, max_num_batched_tokens=64)
     run(engine)                                       # warm-up: Triton compilation and autotuning
+    extra = dict(presence_penalty=0.5, repetition_penalty=1.1) if penalties else {}
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=8, ignore_eos=True,
-                            logprobs=2, presence_penalty=0.5, repetition_penalty=1.1)
+                            logprobs=2, **extra)
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), ROWS)):
         engine.add_request(f"s{i}", prompt, params, adapter)
     torch.cuda.set_sync_debug_mode("error")

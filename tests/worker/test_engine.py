@@ -124,8 +124,8 @@ def test_logprobs_match_log_softmax_of_captured_logits(llama):
     captured = []
     execute = engine.runner.execute
 
-    def capture(batch):
-        out = execute(batch)
+    def capture(batch, prev=None):
+        out = execute(batch, prev)
         captured.append(out.logits.clone())
         return out
 

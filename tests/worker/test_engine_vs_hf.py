@@ -59,9 +59,9 @@ def run_engine(model_dir, prompts, **sched) -> tuple[Engine, dict, dict]:
     logits: dict[str, list[torch.Tensor]] = defaultdict(list)
     execute = engine.runner.execute
 
-    def capture(batch):
+    def capture(batch, prev=None):
         engine.preemptions_seen = getattr(engine, "preemptions_seen", 0) + len(batch.preempted)
-        out = execute(batch)
+        out = execute(batch, prev)
         for seq, row in zip((s for s in batch.seqs if s.samples), out.logits):
             logits[seq.request.request_id].append(row.clone())
         return out

@@ -214,6 +214,7 @@ def test_request_waits_for_its_adapter_read_while_others_run(llama, variants):
     engine.loader.read = lambda spec: (gate.wait(30), read(spec))[1]
     engine.add_request("base", prompt(5, 0), greedy(12), None)
     engine.add_request("x", prompt(7, 1), greedy(5), "v1")
+    assert engine.step() == []      # launches base's prefill; its token comes back with the next step
     for _ in range(6):
         outs = {o.request_id: o for o in engine.step()}
         assert "base" in outs and "x" not in outs
@@ -246,6 +247,7 @@ def test_request_waits_for_its_copy_to_finish_while_others_run(llama, variants):
     engine.add_request("base", prompt(5, 2), greedy(20), None)
     engine.add_request("x", prompt(3, 3), greedy(4), "v2")
     copy_issued = False
+    assert engine.step() == []      # launches base's prefill; its token comes back with the next step
     for _ in range(8):
         outs = {o.request_id for o in engine.step()}
         assert "base" in outs and "x" not in outs
@@ -274,8 +276,9 @@ def test_idle_engine_still_admits_only_after_the_copy_finished(llama, variants):
 def test_blocking_loads_admit_and_load_in_the_same_step(llama, variants):
     engine = make_engine(llama, {"v3": variants["v3"]}, overlap=False)
     engine.add_request("x", prompt(4, 5), greedy(3), "v3")
+    assert engine.step() == []      # the first launch: x's token is read back by the next step
     first = engine.step()
-    assert [o.request_id for o in first] == ["x"]
+    assert [o.request_id for o in first] == ["x"] and first[0].new_token_ids == alone(llama, variants["v3"], prompt(4, 5), 3)[:1]
     assert tokens(run(engine)["x"]) == alone(llama, variants["v3"], prompt(4, 5), 3)[1:]
 
 
@@ -309,12 +312,12 @@ class SlotWatcher:
             self.done.update(l.slot for l in loads if self.content.get(l.slot) == l.key)
             return loads
 
-        def watch_execute(batch):
+        def watch_execute(batch, prev=None):
             for seq in batch.seqs:
                 if seq.request.adapter is not None:
                     assert self.content[seq.lora_slot] == seq.request.adapter
                     assert seq.lora_slot in self.done or not engine.config.lora.enable_lora_overlap_loading
-            return execute(batch)
+            return execute(batch, prev)
         engine.runner.load_adapter, engine.runner.finished_adapter_loads = watch_load, watch_finished
         engine.runner.execute = watch_execute
 

@@ -21,8 +21,8 @@ def greedy_logits(model_dir, load_format="auto", steps=4) -> torch.Tensor:
     captured = []
     execute = engine.runner.execute
 
-    def capture(batch):
-        out = execute(batch)
+    def capture(batch, prev=None):
+        out = execute(batch, prev)
         captured.append(out.logits[0].clone())
         return out
 

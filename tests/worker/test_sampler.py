@@ -244,6 +244,25 @@ def test_seeded_row_varies_with_step():
     assert len(set(tokens)) > 1
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_pending_token_counts_as_generated(temperature):
+    """Async scheduling: a row whose last token is still on the device samples exactly as the same
+    row with that token known (min_tokens and the per-step seed count it; penalties need it known)."""
+    vocab = 16
+    logits = _logits(1, vocab, seed=14).repeat(2, 1)
+    logits[:, 4] = 50.0    # the stop token leads: masked only while min_tokens is not reached
+    for known_output in ([3], [3, 5], [3, 5, 7]):
+        known = _row(output=known_output, min_tokens=3, stop_token_ids=[4], seed=9, temperature=temperature)
+        pending = SamplingRow(known.params, known.prompt_token_ids, known_output[:-1], num_pending=1)
+        sampler = Sampler(vocab)
+        masked = sampler.process_logits(logits, [known, pending])
+        assert torch.equal(masked[0], masked[1])
+        assert (masked[0, 4] == -math.inf) == (len(known_output) < 3)
+        assert sampler(logits, [known, pending]).token_ids.tolist() == [sampler(logits[:1], [known]).token_ids.item()] * 2
+    with pytest.raises(AssertionError, match="penalties"):
+        Sampler(vocab).process_logits(logits[:1], [SamplingRow(SamplingParams(presence_penalty=1.0), [1], [], 1)])
+
+
 def test_unseeded_rows_reproducible_from_sampler_seed():
     logits = torch.zeros(16, 32)
     rows = [_row()] * 16
@@ -267,9 +286,8 @@ def test_logprobs_are_raw_log_softmax_with_exact_ranks(dtype, batch_size, k, tie
     params = [dict(), dict(temperature=0.0), dict(temperature=0.5, top_k=4, repetition_penalty=1.5),
               dict(min_p=0.1, frequency_penalty=1.0)]
     rows = [_row([1, 2], [2, 3], logprobs=k, **params[i % 4]) for i in range(batch_size)]
-    out = Sampler(vocab)(logits, rows)
-    for i, entry in enumerate(out.logprobs):
-        token = out.token_ids[i].item()
+    token_ids, logprobs = Sampler(vocab)(logits, rows).copy_to_host().wait()
+    for i, (token, entry) in enumerate(zip(token_ids, logprobs, strict=True)):
         logprob, rank, top_ids, top_lps = _ref_logprob(logits[i], token, k)
         assert entry.token_id == token
         assert abs(entry.logprob - logprob) < 1e-5
@@ -281,10 +299,10 @@ def test_logprobs_are_raw_log_softmax_with_exact_ranks(dtype, batch_size, k, tie
 def test_logprobs_per_row_k_and_none():
     logits = _logits(1, 16).repeat(3, 1)
     rows = [_row(logprobs=None), _row(logprobs=2), _row(logprobs=5)]
-    out = Sampler(16)(logits, rows)
-    assert out.logprobs[0] is None
-    assert [len(e.top) for e in out.logprobs[1:]] == [2, 5]
-    assert out.logprobs[1].top == out.logprobs[2].top[:2]
+    _, logprobs = Sampler(16)(logits, rows).copy_to_host().wait()
+    assert logprobs[0] is None
+    assert [len(e.top) for e in logprobs[1:]] == [2, 5]
+    assert logprobs[1].top == logprobs[2].top[:2]
 
 
 def test_top_logprobs_break_ties_by_lower_id():

@@ -62,12 +62,13 @@ class CUDAGraphRunner:
         self.pool = graph.pool()
         return graph, logits
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a decode batch, by replaying the smallest graph that fits."""
+    def run(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a decode batch, by replaying the smallest graph that fits;
+        `prev_tokens` as for InputBuilder.build."""
         n = len(batch.seqs)
         bucket = next(b for b in self.buckets if b >= n)
         lora = any(s.lora_slot >= 0 for s in batch.seqs)
-        self.inputs.build(batch, pad_to=bucket, lora=lora)
+        self.inputs.build(batch, pad_to=bucket, lora=lora, prev_tokens=prev_tokens)
         graph, logits = self.graphs[(bucket, lora)]
         graph.replay()
         return logits[:n]

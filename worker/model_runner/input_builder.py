@@ -4,6 +4,11 @@ Host-side staging buffers (pinned on CUDA) are filled in Python, then copied to 
 fixed size with non_blocking=True; the ForwardBatch holds views of the device buffers, so their
 storage never moves (what CUDA graphs need). A decode batch may be padded to a graph's batch size:
 padding sequences have one token that writes no K/V (slot -1), reads block 0, and uses no adapter.
+
+Async scheduling: a decode token sampled by the batch still in flight is not known on the host. Its
+input id is taken on the device from that batch's sampler output (`prev_tokens`), by a gather
+enqueued after the input copies. The host buffers come in two sets used in turn, so filling one
+never races the copies of the previous step, which may not have run yet.
 """
 from __future__ import annotations
 
@@ -23,22 +28,31 @@ class InputBuilder:
                   "slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
                   "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
                   "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
-                  "weight_indices": ([max_num_tokens], i32)}
-        self.host = {k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
-        self.dev = ({k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
-                    if device.type != "cpu" else self.host)
+                  "weight_indices": ([max_num_tokens], i32),
+                  "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64)}
+        self._host_sets = [{k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
+                           for _ in range(2)]
+        self.host = self._host_sets[0]
+        self.dev = {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
         self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
 
-    def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None) -> ForwardBatch:
+    def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None,
+              prev_tokens: torch.Tensor | None = None) -> ForwardBatch:
         """`pad_to`: a decode batch padded to that many sequences, one LoRA segment per sequence (the
         fixed shapes of a CUDA graph). `lora`: force LoRA on or off (graph capture); None decides from
-        the batch."""
-        h = self.host
+        the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
+        pending tokens of this batch's requests come from."""
+        self.host = h = self._host_sets[1] if self.host is self._host_sets[0] else self._host_sets[0]
         ids, pos, slots, qsl, lens, prompt_idx, sample_idx, prompt_rows = [], [], [], [0], [], [], [], []
+        pending_dst, pending_src = [], []
         h["block_tables"].fill_(-1)
         for i, seq in enumerate(batch.seqs):
             end = seq.start + seq.num_new_tokens
             ids += seq.token_ids
+            if len(ids) < qsl[-1] + seq.num_new_tokens:    # the last one is pending
+                pending_dst.append(len(ids))
+                pending_src.append(seq.request.pending_row)
+                ids.append(0)
             pos += range(seq.start, end)
             blocks = seq.request.block_ids
             slots += [blocks[p // self.block_size] * self.block_size + p % self.block_size
@@ -64,11 +78,16 @@ class InputBuilder:
         logits_idx = prompt_idx + sample_idx
         n_tok, n_seq = qsl[-1], len(lens)
         for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
-                             ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx)):
+                             ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx),
+                             ("pending_dst", pending_dst), ("pending_src", pending_src)):
             h[name][:len(values)] = torch.tensor(values, dtype=h[name].dtype)
         lora_info = self._build_lora(batch, pad_to, lora)
         self._to_device()
         d = self.dev
+        if pending_dst:
+            assert prev_tokens is not None, "a pending token needs the sampler output of the batch in flight"
+            n = len(pending_dst)
+            d["input_ids"].index_copy_(0, d["pending_dst"][:n], prev_tokens[d["pending_src"][:n]])
         return ForwardBatch(
             num_tokens=n_tok, num_seqs=n_seq, max_query_len=max(qsl[i + 1] - qsl[i] for i in range(n_seq)),
             input_ids=d["input_ids"][:n_tok], positions=d["positions"][:n_tok],
@@ -107,7 +126,5 @@ class InputBuilder:
                              seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
 
     def _to_device(self) -> None:
-        if self.dev is self.host:
-            return
         for name, buf in self.host.items():
             self.dev[name].copy_(buf, non_blocking=True)

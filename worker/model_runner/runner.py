@@ -1,4 +1,4 @@
-"""ModelRunner: owns the device side (weights, KV pool, LoRA slot pool, sampler) and runs one step."""
+"""ModelRunner: owns the device side (weights, KV pool, LoRA slot pool, sampler) and launches steps."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +14,7 @@ from worker.kv_cache.kv_pool import KVPool
 from worker.lora.gpu_pool import GPULoRAPool, SlotLoad
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
-from worker.model_runner.sampler import Sampler, SamplingRow, compute_logprobs, to_host
+from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow, compute_logprobs
 from worker.models.hf_config import ArchConfig
 from worker.models.registry import build_model
 
@@ -25,8 +25,28 @@ logger = logging.getLogger(__name__)
 class ModelOutput:
     token_ids: list[int]                   # one per sampling sequence, in batch order
     logprobs: list[TokenLogprob | None]    # likewise
-    logits: torch.Tensor                   # [num_sampling_seqs, vocab] float32 (tests compare it)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # request id -> this step's
+
+
+@dataclass
+class StepHandle:
+    """A launched step. The device may still be running it; `result()` waits for its tokens (on an
+    event) and reads them back, once."""
+    logits: torch.Tensor                   # [num_sampling_seqs, vocab] (tests compare it)
+    tokens: PendingTokens | None           # None when no sequence samples this step
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    _result: ModelOutput | None = None
+
+    @property
+    def device_token_ids(self) -> torch.Tensor | None:
+        """The sampled ids [num_sampling_seqs] on the device: the next step's pending inputs."""
+        return None if self.tokens is None else self.tokens.device_token_ids
+
+    def result(self) -> ModelOutput:
+        if self._result is None:
+            token_ids, logprobs = self.tokens.wait() if self.tokens is not None else ([], [])
+            self._result = ModelOutput(token_ids, logprobs, self.prompt_logprobs)
+        return self._result
 
 
 class ModelRunner:
@@ -66,21 +86,23 @@ class ModelRunner:
         self.lora_pool.wait_for(slots)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+    def execute(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
+        """Enqueue the batch's forward pass and sampling, and start reading the tokens back; returns
+        without waiting for the device. `prev`: the step still in flight, whose sampled tokens are
+        inputs of this one (async scheduling)."""
+        prev_tokens = None if prev is None else prev.device_token_ids
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits, prompt_logprobs = self.graph_runner.run(batch), {}     # [num_seqs, vocab]
+            logits, prompt_logprobs = self.graph_runner.run(batch, prev_tokens), {}     # [num_seqs, vocab]
         else:
-            forward_batch = self.input_builder.build(batch)
+            forward_batch = self.input_builder.build(batch, prev_tokens=prev_tokens)
             logits = self.model(forward_batch, self.kv_pool.caches)    # [num_logits, vocab]
             prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
             logits = logits[len(logits) - len(forward_batch.sample_rows):]   # [num_sampling_seqs, vocab]
-        rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
-                for s in batch.seqs if s.samples]
+        rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
+                            s.request.num_pending) for s in batch.seqs if s.samples]
         if not rows:
-            return ModelOutput([], [], logits, prompt_logprobs)
-        out = self.sampler(logits, rows)
-        (token_ids,) = to_host(out.token_ids)
-        return ModelOutput(token_ids.tolist(), out.logprobs, logits, prompt_logprobs)
+            return StepHandle(logits, None, prompt_logprobs)
+        return StepHandle(logits, self.sampler(logits, rows).copy_to_host(), prompt_logprobs)
 
     @staticmethod
     def _prompt_logprobs(batch: ScheduledBatch, prompt_rows, logits: torch.Tensor) -> dict:

@@ -20,13 +20,66 @@ class SamplingRow:
     """One row of the logits: its request's settings and tokens."""
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]     # tokens generated before this step
+    output_token_ids: list[int]     # tokens generated before this step, as known on the host
+    num_pending: int = 0            # generated tokens still on their way from the device (async scheduling)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor                 # [num_rows] int64, on the sampler's device
-    logprobs: list[TokenLogprob | None]     # per row; None where params.logprobs is None
+    logprobs: "RowLogprobs | None"          # rows that asked for logprobs; None when none did
+
+    def copy_to_host(self) -> "PendingTokens":
+        """Start the step's one read-back (tokens and logprobs together); PendingTokens.wait() ends it."""
+        return PendingTokens(self)
+
+
+class PendingTokens:
+    """A sampler output on its way to pinned host memory; `wait()` blocks on an event, never on the
+    stream, so the host can prepare the next step meanwhile and the sync debug mode stays quiet."""
+
+    def __init__(self, out: SamplerOutput):
+        self._out = out
+        tensors = [out.token_ids, *(out.logprobs.tensors if out.logprobs else ())]
+        if out.token_ids.is_cuda:
+            self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = tensors, None
+
+    @property
+    def device_token_ids(self) -> torch.Tensor:
+        return self._out.token_ids
+
+    def wait(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        if self._done is not None:
+            self._done.synchronize()
+        token_ids = self._host[0].tolist()
+        if self._out.logprobs is None:
+            return token_ids, [None] * len(token_ids)
+        return token_ids, self._out.logprobs.from_host(self._host[1:], len(token_ids))
+
+
+@dataclass
+class RowLogprobs:
+    """Logprob tensors of the rows that asked for them (see _logprob_tensors), still on the device."""
+    rows: list[int]                 # row index of each entry
+    top: list[int]                  # how many top tokens each of those rows asked for
+    tensors: tuple[torch.Tensor, ...]
+
+    def from_host(self, host: list[torch.Tensor], num_rows: int) -> list[TokenLogprob | None]:
+        """Per-row entries (None for rows that did not ask) from the host copies of `tensors`."""
+        entries = _to_token_logprobs(*(t.tolist() for t in host))
+        out: list[TokenLogprob | None] = [None] * num_rows
+        for row, k, entry in zip(self.rows, self.top, entries):
+            entry.top = entry.top[:k]
+            out[row] = entry
+        return out
 
 
 class Sampler:
@@ -54,7 +107,7 @@ class Sampler:
         """Penalties (repetition, frequency, presence), then the min_tokens mask: the logits a
         greedy row takes the argmax of, in float32. `logits` itself is never written to."""
         logits = logits.float()
-        if any(_has_penalty(r.params) for r in rows):
+        if any(has_penalty(r.params) for r in rows):
             logits = self._apply_penalties(logits, rows)
         return self._mask_early_stops(logits, rows)
 
@@ -72,6 +125,8 @@ class Sampler:
         return logits.softmax(dim=-1)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        assert not any(r.num_pending and has_penalty(r.params) for r in rows), \
+            "penalties need every generated token on the host"   # rows without penalties are unaffected
         counts = self._token_counts([r.output_token_ids for r in rows])          # [n, V]
         seen = (self._token_counts([r.prompt_token_ids for r in rows]) > 0) | (counts > 0)
         repetition = self._to_device([r.params.repetition_penalty for r in rows], torch.float32)
@@ -84,7 +139,7 @@ class Sampler:
     def _mask_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Rows short of min_tokens cannot end: their stop ids (and eos unless ignore_eos) get -inf."""
         pairs = [(i, t) for i, r in enumerate(rows)
-                 if len(r.output_token_ids) < r.params.min_tokens for t in self._stop_ids(r.params)]
+                 if r.num_generated < r.params.min_tokens for t in self._stop_ids(r.params)]
         if not pairs:
             return logits
         row_idx, token_idx = zip(*pairs)
@@ -120,25 +175,20 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self._generator)      # [n, V]
         for i, r in enumerate(rows):
             if r.params.seed is not None and not r.params.greedy:
-                seed = _row_seed(r.params.seed, len(r.output_token_ids))
+                seed = _row_seed(r.params.seed, r.num_generated)
                 generator = torch.Generator(device=self.device).manual_seed(seed)
                 noise[i] = torch.empty_like(probs[i]).exponential_(generator=generator)
         noise = noise.clamp_min(torch.finfo(noise.dtype).tiny)   # q = 0 would make 0/0 = nan win
         return (probs / noise).argmax(dim=-1)
 
     def _row_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor,
-                      rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+                      rows: list[SamplingRow]) -> RowLogprobs | None:
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(rows)
         if not wanted:
-            return out
+            return None
         idx = self._to_device(wanted, torch.int64)
-        k = max(rows[i].params.logprobs for i in wanted)
-        entries = _to_token_logprobs(*_logprob_tensors(logits[idx], token_ids[idx], k))
-        for i, entry in zip(wanted, entries):
-            entry.top = entry.top[:rows[i].params.logprobs]
-            out[i] = entry
-        return out
+        top = [rows[i].params.logprobs for i in wanted]
+        return RowLogprobs(wanted, top, _logprob_tensors(logits[idx], token_ids[idx], max(top)))
 
     def _token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
         """[num_rows, vocab_size] float32: how often each token occurs in each row's list."""
@@ -155,7 +205,7 @@ class Sampler:
 def compute_logprobs(logits_rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """Row i of `logits_rows` scored against token_ids[i] (raw distribution), with its k best tokens."""
     ids = torch.tensor(token_ids, dtype=torch.int64, device=logits_rows.device)
-    return _to_token_logprobs(*_logprob_tensors(logits_rows, ids, k))
+    return _to_token_logprobs(*(t.tolist() for t in to_host(*_logprob_tensors(logits_rows, ids, k))))
 
 
 def _logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, k: int):
@@ -195,8 +245,8 @@ def _top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(slot < num_above, best, tied_ids.gather(1, tie_slot))
 
 
-def _to_token_logprobs(*tensors: torch.Tensor) -> list[TokenLogprob]:
-    token_ids, logprobs, ranks, top_ids, top_logprobs = (t.tolist() for t in to_host(*tensors))
+def _to_token_logprobs(token_ids: list, logprobs: list, ranks: list, top_ids: list,
+                       top_logprobs: list) -> list[TokenLogprob]:
     return [TokenLogprob(token_id=t, logprob=lp, rank=r, top=list(zip(ids, lps)))
             for t, lp, r, ids, lps in zip(token_ids, logprobs, ranks, top_ids, top_logprobs)]
 
@@ -213,7 +263,7 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return host
 
 
-def _has_penalty(params: SamplingParams) -> bool:
+def has_penalty(params: SamplingParams) -> bool:
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0)
 

@@ -1,6 +1,8 @@
 """Continuous batching with chunked prefill, KV-block accounting and LoRA-slot admission.
 
-One engine step: `batch = schedule()`, the runner computes `batch`, `update(batch, sampled)`.
+One engine step: `batch = schedule()`, the runner launches `batch`, `launched(batch)`; the sampled
+tokens are filed later with `tokens_arrived(batch, sampled)` (async scheduling: the next schedule()
+may run first, with each sampling request holding one pending token), or at once with `update()`.
 Decisions (order, preemption victim, bypass rule) are in policy.py; this file does the mechanics.
 
 Invariant: a RUNNING request owns KV blocks covering its computed tokens and, when it has an
@@ -94,25 +96,47 @@ class Scheduler:
         return batch
 
     def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
-        """Record a computed step. `sampled_token_ids` has one token per sampling seq, in batch order.
+        """Record a computed step: `launched(batch)` and `tokens_arrived(batch, ...)` at once."""
+        return self.launched(batch) + self.tokens_arrived(batch, sampled_token_ids)
 
-        Returns the requests that got a token or finished; seqs of requests aborted since
-        `schedule()` are skipped.
+    def launched(self, batch: ScheduledBatch) -> list[Request]:
+        """The batch was handed to the device: its tokens count as computed and each sampling seq's
+        request gets a pending token, so the next schedule() can run before the tokens are known.
+
+        Returns the requests schedule() ended with "error" (it must be followed by this call, also
+        when the batch is empty).
         """
-        samples = [seq.samples for seq in batch.seqs]
-        assert len(sampled_token_ids) == sum(samples), "one sampled token per sampling seq"
-        changed, self._rejected = self._rejected, []
-        tokens = iter(sampled_token_ids)
-        for seq, sampled in zip(batch.seqs, samples):
-            token = next(tokens) if sampled else None
+        for seq in batch.seqs:
             request = seq.request
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += seq.num_new_tokens
-            if token is None:
+            if seq.samples:
+                request.num_pending += 1
+        rows = (seq for seq in batch.seqs if seq.samples)
+        for row, seq in enumerate(rows):
+            seq.request.pending_row = row
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def tokens_arrived(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
+        """File a launched batch's sampled tokens (one per sampling seq, in batch order).
+
+        Returns the requests that got a token (and may have finished). A request aborted since has
+        no use for its token; one preempted since keeps it, for its recompute.
+        """
+        samples = [seq for seq in batch.seqs if seq.samples]
+        assert len(sampled_token_ids) == len(samples), "one sampled token per sampling seq"
+        changed = []
+        for seq, token in zip(samples, sampled_token_ids):
+            request = seq.request
+            if request.is_finished:
                 continue
+            request.num_pending -= 1
             request.output_token_ids.append(token)
             if request.check_stop():
+                if request.status is RequestStatus.WAITING:
+                    self.waiting.remove(request)
                 self._finish(request)
             changed.append(request)
         return changed
@@ -124,6 +148,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue   # preempted for an older request in this loop
+            if request.num_pending and request.reaches_length_limit:
+                continue   # ends when its pending token arrives: nothing more to compute
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._grow_or_preempt(request, num_new, batch):
                 break      # it preempted itself, so it was the newest: nothing is left
@@ -153,6 +179,8 @@ class Scheduler:
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if request.num_pending:
+                continue   # preempted while its last token is in flight; readmitted once it arrives
             if self._never_fits(request):
                 self._reject(request)
                 continue
