@@ -6,6 +6,7 @@ bytes are x, the A and B rows of the adapters the batch uses (at their own rank)
 (at the used rank), and y read and written.
 
     python3 -m bench.kernels_lora --out lora_kernels.json
+    python3 -m bench.kernels_lora --sweep --out sweep.json    # block-size candidates at decode shapes
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from worker.kernels.lora_shrink import lora_shrink
 
 logger = logging.getLogger(__name__)
 
-PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+               "down": (14336, (4096,))}
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,31 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> Result:
                   round(total_us, 2), moved, round(moved / total_us / 1e3, 1))
 
 
+SWEEP_CASES = [Case(p, (1,) * n, n, 16, max_rank=16) for n in (1, 32) for p in ("qkv", "o", "gate_up", "down")]
+SWEEP_EXPAND = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=w, num_stages=2)
+                for m in (1, 16) for n in (64, 128, 256, 512) for w in (4, 8)]
+SWEEP_SHRINK = [dict(BLOCK_M=1, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3)
+                for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for w in (4,)]
+
+
+def sweep(case: Case, dtype: torch.dtype, iters: int) -> dict:
+    """Time shrink and expand alone under each candidate block config (the kernels' _config replaced)."""
+    from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
+    saved = shrink_module._config, expand_module._config
+    timings: dict[str, list] = {"shrink": [], "expand": []}
+    try:
+        for kind, module, configs in (("shrink", shrink_module, SWEEP_SHRINK), ("expand", expand_module, SWEEP_EXPAND)):
+            for cfg in configs:
+                module._config = lambda *_, cfg=cfg: dict(cfg)
+                result = run_case(case, dtype, iters)
+                timings[kind].append((cfg, result.shrink_us if kind == "shrink" else result.expand_us))
+    finally:
+        shrink_module._config, expand_module._config = saved
+    best = {kind: min(rows, key=lambda row: row[1]) for kind, rows in timings.items()}
+    logger.info("%s: best shrink %s %.2f us, best expand %s %.2f us", case.name, *best["shrink"], *best["expand"])
+    return {"case": case.name, "best": best, "timings": timings}
+
+
 def _table(results: list[Result]) -> str:
     head = f"{'case':<40}{'shrink us':>10}{'expand us':>10}{'total us':>10}{'MB':>8}{'GB/s':>8}"
     rows = [f"{r.case:<40}{r.shrink_us:>10.2f}{r.expand_us:>10.2f}{r.total_us:>10.2f}"
@@ -150,11 +177,19 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=200, help="launches per timed CUDA graph")
+    parser.add_argument("--sweep", action="store_true", help="time block-size candidates at decode shapes instead")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels_lora needs a CUDA device")
     dtype = getattr(torch, args.dtype)
+    if args.sweep:
+        sweeps = []
+        for case in SWEEP_CASES:   # the file is rewritten after each case, so a cut-off run keeps what it has
+            sweeps.append(sweep(case, dtype, 50))
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "sweeps": sweeps}, f, indent=2)
+        return
     results = []
     for case in CASES:
         results.append(run_case(case, dtype, args.iters))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
-# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [kernels] [loading]
+# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [kernels] [sweep] [loading] [serve] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -23,8 +23,10 @@ serve_preset() {   # serve_preset NAME: the 8B dummy server with the preset's fl
   for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
   timeout 200 python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress \
     --out "$OUT/$name.json" >> "$OUT/serve.log" 2>&1
-  echo "preset $name: rc=$?" >> "$OUT/serve.log"
+  local rc=$?
+  echo "preset $name: rc=$rc" >> "$OUT/serve.log"
   kill $pid; wait $pid
+  return $rc
 }
 
 stages=${*:-tests decode}
@@ -32,10 +34,13 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)   timeout 420 python3 -m pytest tests/gpu tests/kernels -q -rA -p no:cacheprovider > "$OUT/tests.log" 2>&1 ;;
-    decode)  timeout 300 python3 -m bench.decode_step --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
+    decode)  timeout 300 python3 -m bench.decode_step --profile --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
+    sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
     serve)   python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
-             for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset; done ;;
+             failed=0
+             for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
+             (exit $failed) ;;
     hf)      python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters --num 6 --rank 16 > /dev/null 2>&1
              timeout 200 python3 -m bench.hf_baseline --model $MODEL --load-format dummy --lora-dir /tmp/adapters \
                --preset sglang-multi-adapter --num-prompts 64 --batch-size 32 --no-plots \

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.lora_shrink import _tile_matmul
+
 
 @triton.jit
 def _slice_bound(slice_offsets_ptr, SLICE_OFFSETS: tl.constexpr, s: tl.constexpr):
@@ -44,7 +46,7 @@ def _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, ra
         mask_r = offs_r < rank - r0
         xa_tile = tl.load(xa_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         b_tile = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-        acc += tl.dot(xa_tile, b_tile, input_precision="ieee")
+        acc += _tile_matmul(xa_tile, b_tile, BLOCK_M >= 16)
         xa_ptrs += BLOCK_R
         b_ptrs += BLOCK_R
     return acc
@@ -97,8 +99,11 @@ def _config(max_seg_len: int, max_rank: int) -> dict:
     """Block sizes tuned on H100 at Llama-8B shapes (bench/kernels_lora.py).
 
     Rank steps of 16 for ranks up to 32, wider steps above (fewer dependent loop iterations).
+    One token per segment (decode): a GEMV per program over a wide column tile, no tensor cores.
     """
     high = min(64, max(16, triton.next_power_of_2(max_rank)))
+    if max_seg_len == 1:
+        return dict(BLOCK_M=1, BLOCK_N=256, BLOCK_R=16, BLOCK_R_HIGH=high, num_warps=4, num_stages=2)
     if max_seg_len <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=high, num_warps=4, num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=high, num_warps=8, num_stages=2)
