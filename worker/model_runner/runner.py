@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from worker.batch import ScheduledBatch
+from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
-from worker.ipc.messages import TokenLogprob
+from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool
 from worker.lora.gpu_pool import GPULoRAPool, SlotLoad
 from worker.model_runner.cuda_graph import CUDAGraphRunner
@@ -17,6 +18,7 @@ from worker.model_runner.input_builder import InputBuilder
 from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow, compute_logprobs
 from worker.models.hf_config import ArchConfig
 from worker.models.registry import build_model
+from worker.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class ModelRunner:
                                           self.lora_pool.ranks)
         self.sampler = Sampler(arch.vocab_size, seed=m.seed, device=device, eos_token_ids=list(arch.eos_token_ids))
         self.graph_runner = None
+        if device.type == "cuda":
+            self._warm_up(config.cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80))
         if device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
                                                 sched.max_num_seqs)
@@ -103,6 +107,25 @@ class ModelRunner:
         if not rows:
             return StepHandle(logits, None, prompt_logprobs)
         return StepHandle(logits, self.sampler(logits, rows).copy_to_host(), prompt_logprobs)
+
+    @torch.inference_mode()
+    def _warm_up(self, block_size: int, long_len: int) -> None:
+        """Compile the Triton kernels' prefill and mixed-batch variants now, not on the first requests:
+        one long prompt, short prompts, and a short prompt beside a decode token, each with LoRA on
+        (the slot-0 adapter at whatever rank it has, 0 included) and off. K/V go to the first blocks,
+        which no request owns yet and whose contents a request overwrites before reading."""
+        start = time.perf_counter()
+        shapes = [[long_len], [3, 3], [12, 1]]
+        for lens in shapes:
+            batch = ScheduledBatch()
+            for n in lens:
+                request = Request("warm-up", [0] * n, SamplingParams(max_tokens=1), 0)
+                request.block_ids = list(range(-(-n // block_size)))
+                batch.seqs.append(ScheduledSeq(request, 0, n, 0))
+            for lora in (True, False):
+                self.model(self.input_builder.build(batch, lora=lora), self.kv_pool.caches)
+        torch.cuda.synchronize()
+        logger.info("compiled prefill kernels in %.1f s", time.perf_counter() - start)
 
     @staticmethod
     def _prompt_logprobs(batch: ScheduledBatch, prompt_rows, logits: torch.Tensor) -> dict:
