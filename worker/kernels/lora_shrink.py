@@ -71,14 +71,14 @@ def _lora_shrink_kernel(
 
 
 def _config(max_seg_len: int, in_dim: int) -> dict:
-    """Block sizes tuned on H100 at Llama-8B shapes (bench/kernels_lora.py).
+    """Block sizes tuned on H100 at Llama-8B shapes (`python -m bench.kernels_lora --sweep`).
 
-    One token per segment: a GEMV over 4 rank rows per program (parallelism comes from the rank axis);
-    short segments: skinny tensor-core tiles with long K steps; prefill: 64-token tiles.
+    One token per segment: a GEMV over 2 rank rows per program with long K steps (parallelism comes
+    from the rank axis); short segments: skinny tensor-core tiles with long K steps; prefill: 64-token tiles.
     """
     k_cap = max(16, triton.next_power_of_2(in_dim))
     if max_seg_len == 1:
-        return dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=min(1024, k_cap), num_warps=4, num_stages=4)
+        return dict(BLOCK_M=1, BLOCK_N=2, BLOCK_K=min(2048, k_cap), num_warps=4, num_stages=3)
     if max_seg_len <= 16:
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=min(512, k_cap), num_warps=4, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=min(256, k_cap), num_warps=4, num_stages=3)
