@@ -363,6 +363,35 @@ def test_cold_adapter_behind_hot_stream_is_admitted_within_bound(max_bypasses):
     assert step <= max_bypasses + max_tokens + 1
 
 
+def test_only_the_slot_that_frees_soonest_is_drained_for_a_cold_adapter():
+    """Two slots busy with a long-running and a short-running adapter; a cold adapter waits past the
+    bypass cap. New requests of the long one keep being admitted; those of the short one wait, its
+    slot drains, and the cold request takes it."""
+    long, short = AdapterRef("long", 1), AdapterRef("short", 1)
+    scheduler = make_scheduler(max_num_seqs=64, budget=256, num_blocks=256, max_loras=2, max_bypasses=2)
+    runner = FakeRunner(scheduler)
+    scheduler.add_request(make_request(0, 2, 40, long))
+    scheduler.add_request(make_request(1, 2, 6, short))
+    runner.step()
+    cold = make_request(2, 2, 2, COLD)
+    scheduler.add_request(cold)
+    arrival = iter(range(3, 10_000))
+    admitted = {long: 0, short: 0}
+    for step in range(30):
+        new = {ref: make_request(next(arrival), 2, 3, ref) for ref in (long, short)}
+        for request in new.values():
+            scheduler.add_request(request)
+        runner.step()
+        for ref, request in new.items():
+            admitted[ref] += request.status is not RequestStatus.WAITING
+        if cold.status is not RequestStatus.WAITING:
+            break
+    assert cold.status is RequestStatus.RUNNING and scheduler.slots.slot_of(short) is None
+    assert admitted[long] == step + 1                  # the long adapter's slot never stopped admitting
+    assert admitted[short] <= 2                        # the short one's stopped at the cap
+    assert step <= 6 + 2                               # drained within the short adapter's remaining tokens
+
+
 def test_cold_adapter_starves_without_bypass_cap():
     scheduler = make_scheduler(max_num_seqs=64, budget=256, num_blocks=256, max_loras=1,
                                max_bypasses=10**9)

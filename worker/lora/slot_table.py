@@ -89,6 +89,10 @@ class SlotTable:
     def unpin(self, ref: AdapterRef) -> None:
         self._pinned.discard(ref)
 
+    @property
+    def pinned(self) -> frozenset[AdapterRef]:
+        return frozenset(self._pinned)
+
     def slot_of(self, ref: AdapterRef) -> int | None:
         return self._slots.get(ref)
 

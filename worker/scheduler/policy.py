@@ -4,7 +4,9 @@ The scheduler applies these; it owns the mechanics (blocks, slots, status change
 """
 from __future__ import annotations
 
-from worker.request import Request
+from collections.abc import Container
+
+from worker.request import AdapterRef, Request
 
 
 def waiting_key(request: Request) -> tuple[bool, int]:
@@ -22,15 +24,27 @@ def preemption_victim(running: list[Request]) -> Request:
     return max(running, key=running_key)
 
 
-def may_overtake(request: Request, skipped: list[Request], max_bypasses: int) -> bool:
+def may_overtake(request: Request, skipped: list[Request], max_bypasses: int, draining: AdapterRef | None) -> bool:
     """Whether `request` may take an adapter slot ahead of requests `skipped` for want of a slot.
 
-    Base-model requests always may. An adapter request may not once any skipped request has been
-    overtaken `max_bypasses` times: slots then drain until the skipped one gets one.
+    Base-model requests always may. Once a skipped request has been overtaken `max_bypasses` times,
+    one slot is drained for it: requests of the `draining` adapter (see slot_to_drain) wait, those of
+    the other resident adapters still run. With no slot to drain (all pinned), nobody waits.
     """
-    if request.adapter is None:
+    if request.adapter is None or all(s.num_adapter_bypasses < max_bypasses for s in skipped):
         return True
-    return all(s.num_adapter_bypasses < max_bypasses for s in skipped)
+    return draining is not None and request.adapter != draining
+
+
+def slot_to_drain(running: list[Request], pinned: Container[AdapterRef]) -> AdapterRef | None:
+    """The adapter whose slot frees soonest if it admits no one new: the unpinned adapter in use whose
+    longest remaining request (by max_tokens) is shortest."""
+    remaining: dict[AdapterRef, int] = {}
+    for r in running:
+        if r.adapter is not None and r.adapter not in pinned:
+            left = r.params.max_tokens - r.num_generated
+            remaining[r.adapter] = max(remaining.get(r.adapter, 0), left)
+    return min(remaining, key=remaining.__getitem__, default=None)
 
 
 def record_overtake(skipped: list[Request]) -> None:

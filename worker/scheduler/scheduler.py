@@ -43,6 +43,7 @@ class Scheduler:
         self.running: list[Request] = []   # policy.running_key order (oldest first); read-only outside
         self._unfinished: dict[str, Request] = {}
         self._rejected: list[Request] = []  # ended with "error" in schedule(); next update() returns them
+        self._draining = None
 
     @property
     def num_running(self) -> int:
@@ -176,6 +177,7 @@ class Scheduler:
 
         `starved`: adapters the prefetcher found no slot for (their requests count as overtaken)."""
         skipped: list[Request] = []   # waiting for an adapter slot; later requests overtake them
+        self._draining = None         # the adapter whose slot is drained for them, chosen when needed
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -202,7 +204,9 @@ class Scheduler:
             if request.adapter in starved:
                 skipped.append(request)
             return False       # still loading, or on its way from disk: it waits, nobody else does
-        if (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses)
+        if skipped and self._draining is None:
+            self._draining = policy.slot_to_drain(self.running, self.slots.pinned)
+        if (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses, self._draining)
                 and self.slots.can_acquire(request.adapter)):
             return True
         skipped.append(request)
