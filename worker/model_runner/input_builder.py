@@ -1,7 +1,7 @@
 """ScheduledBatch -> ForwardBatch, through persistent buffers refilled every step.
 
 Host-side staging buffers (pinned on CUDA) are filled in Python, then copied to device buffers of
-fixed size with non_blocking=True; the ForwardBatch holds views of the device buffers, so their
+fixed size with non_blocking=True, all fields at once (each side's fields are views of one byte buffer); the ForwardBatch holds views of the device buffers, so their
 storage never moves (what CUDA graphs need). A decode batch may be padded to a graph's batch size:
 padding sequences have one token that writes no K/V (slot -1), reads block 0, and uses no adapter.
 
@@ -30,10 +30,13 @@ class InputBuilder:
                   "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
                   "weight_indices": ([max_num_tokens], i32),
                   "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64)}
-        self._host_sets = [{k: torch.zeros(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
-                           for _ in range(2)]
+        # all fields are views of one byte buffer per side, so a step's inputs go over in one copy
+        self._host_bufs = [_byte_buffer(shapes, torch.device("cpu"), pin) for _ in range(2)]
+        self._host_sets = [_field_views(buf, shapes) for buf in self._host_bufs]
+        self._current = 0                 # which host set the latest build() filled
         self.host = self._host_sets[0]
-        self.dev = {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in shapes.items()}
+        self._dev_buf = _byte_buffer(shapes, device, False)
+        self.dev = _field_views(self._dev_buf, shapes)
         self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
 
     def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None,
@@ -42,7 +45,8 @@ class InputBuilder:
         fixed shapes of a CUDA graph). `lora`: force LoRA on or off (graph capture); None decides from
         the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
         pending tokens of this batch's requests come from."""
-        self.host = h = self._host_sets[1] if self.host is self._host_sets[0] else self._host_sets[0]
+        self._current = 1 - self._current
+        self.host = h = self._host_sets[self._current]
         ids, pos, slots, qsl, lens, prompt_idx, sample_idx, prompt_rows = [], [], [], [0], [], [], [], []
         pending_dst, pending_src = [], []
         h["block_tables"].fill_(-1)
@@ -126,5 +130,32 @@ class InputBuilder:
                              seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
 
     def _to_device(self) -> None:
-        for name, buf in self.host.items():
-            self.dev[name].copy_(buf, non_blocking=True)
+        self._dev_buf.copy_(self._host_bufs[self._current], non_blocking=True)
+
+
+_ALIGN = 16
+
+
+def _num_bytes(shape: list[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _field_bytes(shape: list[int], dtype: torch.dtype) -> int:
+    return -(-_num_bytes(shape, dtype) // _ALIGN) * _ALIGN
+
+
+def _byte_buffer(shapes: dict, device: torch.device, pin: bool) -> torch.Tensor:
+    total = sum(_field_bytes(s, d) for s, d in shapes.values())
+    return torch.zeros(total, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+def _field_views(buf: torch.Tensor, shapes: dict) -> dict[str, torch.Tensor]:
+    """Typed views of consecutive, aligned slices of a byte buffer, one per field."""
+    views, offset = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        views[name] = buf[offset:offset + _num_bytes(shape, dtype)].view(dtype).view(shape)
+        offset += _field_bytes(shape, dtype)
+    return views
