@@ -66,7 +66,7 @@ def build_engine(args: argparse.Namespace, rank: int, overlap: bool) -> Engine:
         lora=LoRAConfig(max_loras=args.max_loras, max_lora_rank=rank, max_cpu_loras=args.max_cpu_loras,
                         enable_lora_overlap_loading=overlap, lora_load_workers=args.load_workers),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096),
-        device="cuda", enforce_eager=args.eager))
+        device="cuda", enforce_eager=args.eager, async_scheduling=not args.no_async_scheduling))
 
 
 def register(engine: Engine, names: list[str], files: list[str]) -> None:
@@ -227,6 +227,7 @@ def main() -> None:
     add("--output-len", type=int, default=32)
     add("--seed", type=int, default=0)
     add("--eager", action="store_true", help="no CUDA graphs")
+    add("--no-async-scheduling", action="store_true", help="file each step's tokens before the next schedule")
     add("--resident-streams", type=int, default=4, help="long requests on a resident adapter during the traffic")
     args = parser.parse_args()
     args.patterns = args.patterns.split(",")

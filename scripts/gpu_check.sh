@@ -48,7 +48,9 @@ for stage in $stages; do
     loading) timeout 300 python3 -m bench.lora_loading --out "$OUT/lora_loading.json" > "$OUT/loading.log" 2>&1 ;;
     loading-nostreams)   # the zipf runs without the resident streams, as the first session measured them
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
-               --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1 ;;
+               --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1
+             timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
+               --no-async-scheduling --out "$OUT/lora_loading_nostreams_sync.json" >> "$OUT/loading_nostreams.log" 2>&1 ;;
   esac
   echo "$stage: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done
