@@ -148,7 +148,6 @@ def main() -> None:
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)
             results["weight_bytes"] = base
-            results["gemm_ms_cublas_vs_skinny"] = {str(k): v for k, v in engine.runner.gemm_timings.items()}
             mode = "eager" if eager else "graphs"
             runs = {"b1_base": (1, [None]), "b32_base": (32, [None])}
             if not eager:

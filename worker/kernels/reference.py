@@ -8,15 +8,6 @@ from __future__ import annotations
 import torch
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: y[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]), in float32.
-
-    x: [M, K]; weight: [N, K]; bias: [N] or None -> y: [M, N] float32 (the skinny GEMM's reference)
-    """
-    y = x.float() @ weight.float().T
-    return y if bias is None else y + bias.float()
-
-
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], weight_indices: list[int],
                 ranks: list[int], num_slices: int) -> torch.Tensor:
     """Semantics:

@@ -28,66 +28,6 @@ class LoRAWeights:
         return len(self.slice_offsets) - 1
 
 
-# (rows bucket, out_features, in_features) where the skinny GEMM kernel measured faster than cuBLAS;
-# filled once per process by choose_gemm_kernels (start-up, before CUDA graphs are captured)
-_SKINNY_GEMM: set[tuple[int, int, int]] = set()
-SKINNY_ROW_BUCKETS = (1, 2, 4, 8, 16)
-
-
-def _row_bucket(rows: int) -> int | None:
-    return next((b for b in SKINNY_ROW_BUCKETS if b >= rows), None)
-
-
-def uses_skinny_gemm(rows: int, out_features: int, in_features: int) -> bool:
-    return (_row_bucket(rows), out_features, in_features) in _SKINNY_GEMM
-
-
-@torch.inference_mode()
-def choose_gemm_kernels(model: nn.Module) -> dict[tuple[int, int, int], tuple[float, float]]:
-    """Time cuBLAS and the skinny GEMM kernel on every Linear shape of `model` at each row bucket and
-    use the kernel where it is at least 3% faster. Each timing is one CUDA graph calling the op once per
-    layer of that shape (its own weights, so nothing is served from L2 that a real step would read from
-    memory). Returns {(rows, out, in): (cublas_ms, skinny_ms)} per call."""
-    from worker.kernels.gemm import skinny_gemm
-    by_shape: dict[tuple[int, int], list[Linear]] = {}
-    for m in model.modules():
-        if isinstance(m, Linear):
-            by_shape.setdefault(tuple(m.weight.shape), []).append(m)
-    timings = {}
-    for (out_features, in_features), modules in sorted(by_shape.items()):
-        for rows in SKINNY_ROW_BUCKETS:
-            x = torch.randn(rows, in_features, dtype=modules[0].weight.dtype, device=modules[0].weight.device)
-            cublas = _graph_ms(lambda: [F.linear(x, m.weight, m.bias) for m in modules]) / len(modules)
-            skinny = _graph_ms(lambda: [skinny_gemm(x, m.weight, m.bias) for m in modules]) / len(modules)
-            key = (rows, out_features, in_features)
-            timings[key] = (cublas, skinny)
-            if skinny < 0.97 * cublas:
-                _SKINNY_GEMM.add(key)
-            else:
-                _SKINNY_GEMM.discard(key)
-    return timings
-
-
-def _graph_ms(fn, replays: int = 5) -> float:
-    """Mean time of fn() captured in a CUDA graph (after a warm-up call that compiles)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 class Linear(nn.Module):
     """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up)."""
 
@@ -114,11 +54,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
-        if x.is_cuda and uses_skinny_gemm(x.shape[0], *self.weight.shape):
-            from worker.kernels.gemm import skinny_gemm
-            y = skinny_gemm(x, self.weight, self.bias)
-        else:
-            y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and lora_info is not None and lora_info.max_rank > 0:
             self._add_lora(x, y, lora_info)
         return y

@@ -12,7 +12,6 @@ from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool
-from worker.layers.linear import choose_gemm_kernels, uses_skinny_gemm
 from worker.lora.gpu_pool import GPULoRAPool, SlotLoad
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
@@ -67,9 +66,7 @@ class ModelRunner:
                                           self.lora_pool.ranks)
         self.sampler = Sampler(arch.vocab_size, seed=m.seed, device=device, eos_token_ids=list(arch.eos_token_ids))
         self.graph_runner = None
-        self.gemm_timings: dict = {}
         if device.type == "cuda":
-            self._choose_gemm_kernels()
             self._warm_up(config.cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80))
         if device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
@@ -110,13 +107,6 @@ class ModelRunner:
         if not rows:
             return StepHandle(logits, None, prompt_logprobs)
         return StepHandle(logits, self.sampler(logits, rows).copy_to_host(), prompt_logprobs)
-
-    def _choose_gemm_kernels(self) -> None:
-        self.gemm_timings = timings = choose_gemm_kernels(self.model)   # bench/decode_step.py reports them
-        chosen = sorted(key for key in timings if uses_skinny_gemm(*key))
-        logger.info("skinny GEMM kernel chosen over cuBLAS for (rows, out, in) %s", chosen or "none")
-        for key, (cublas, skinny) in sorted(timings.items()):
-            logger.debug("GEMM %s: cuBLAS %.4f ms, skinny %.4f ms", key, cublas, skinny)
 
     @torch.inference_mode()
     def _warm_up(self, block_size: int, long_len: int) -> None:
