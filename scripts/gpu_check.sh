@@ -33,7 +33,7 @@ stages=${*:-tests decode}
 for stage in $stages; do
   start=$(date +%s)
   case $stage in
-    tests)   timeout 420 python3 -m pytest tests/gpu tests/kernels -q -rA -p no:cacheprovider > "$OUT/tests.log" 2>&1 ;;
+    tests)   timeout 540 python3 -m pytest tests/gpu tests/kernels -q -rA -p no:cacheprovider > "$OUT/tests.log" 2>&1 ;;
     decode)  timeout 300 python3 -m bench.decode_step --profile --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
