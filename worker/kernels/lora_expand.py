@@ -96,15 +96,16 @@ def _lora_expand_kernel(
 
 
 def _config(max_seg_len: int, max_rank: int) -> dict:
-    """Block sizes tuned on H100 at Llama-8B shapes (`python -m bench.kernels_lora --sweep`).
+    """Block sizes tuned on H100 at Llama-8B shapes (`python -m bench.kernels_lora [--sweep]`).
 
     Rank steps of 16 for ranks up to 32, wider steps above (fewer dependent loop iterations).
-    One token per segment (decode): a GEMV per program over a wide column tile, no tensor cores, rank
-    steps of 16 at every rank (its [rank step, columns] product lives in registers: wider steps spill,
-    measured 150x slower at rank 64).
+    One token per segment with slots of rank <= 32 (decode): a GEMV per program over a wide column
+    tile, no tensor cores, in rank steps of 16 (wider steps spill the [step, columns] product out of
+    registers). Larger slots keep the tensor-core tiles: with ranks 64-128 in use, the GEMV's rank
+    loop measured 2.5x slower than them.
     """
     high = min(64, max(16, triton.next_power_of_2(max_rank)))
-    if max_seg_len == 1:
+    if max_seg_len == 1 and max_rank <= 32:
         return dict(BLOCK_M=1, BLOCK_N=128, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=4, num_stages=2)
     if max_seg_len <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=high, num_warps=4, num_stages=2)
