@@ -43,7 +43,8 @@ for stage in $stages; do
              (exit $failed) ;;
     hf)      python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters --num 6 --rank 16 > /dev/null 2>&1
              timeout 200 python3 -m bench.hf_baseline --model $MODEL --load-format dummy --lora-dir /tmp/adapters \
-               --preset sglang-multi-adapter --num-prompts 64 --batch-size 32 --no-plots \
+               --preset sglang-multi-adapter --num-prompts 64 --random-input-len 256 --random-output-len 32 \
+               --batch-size 32 --no-plots \
                --out "$OUT/hf_baseline.json" >> "$OUT/serve.log" 2>&1 ;;
     loading) timeout 300 python3 -m bench.lora_loading --out "$OUT/lora_loading.json" > "$OUT/loading.log" 2>&1 ;;
     loading-nostreams)   # the zipf runs without the resident streams, as the first session measured them
