@@ -1,0 +1,60 @@
+"""InputBuilder: persistent buffers, one copy per step, pending tokens gathered from the previous step."""
+from __future__ import annotations
+
+import torch
+
+from worker.batch import ScheduledBatch, ScheduledSeq
+from worker.ipc.messages import SamplingParams
+from worker.model_runner.input_builder import InputBuilder
+from worker.request import Request
+
+
+def make_builder() -> InputBuilder:
+    return InputBuilder(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=6, block_size=4,
+                        device=torch.device("cpu"), lora_ranks_host=[8, 0], lora_ranks=torch.tensor([8, 0]))
+
+
+def seq(request_id: str, prompt: list[int], outputs: list[int], start: int, num_new: int, slot: int = -1,
+        pending_row: int | None = None) -> ScheduledSeq:
+    request = Request(request_id, prompt, SamplingParams(max_tokens=8), 0, output_token_ids=list(outputs))
+    request.block_ids = [3, 1, 4, 5]
+    if pending_row is not None:
+        request.num_pending, request.pending_row = 1, pending_row
+    return ScheduledSeq(request, start, num_new, slot)
+
+
+def test_fields_are_disjoint_aligned_views_of_one_buffer_per_side():
+    builder = make_builder()
+    for views, buf in [(builder.dev, builder._dev_buf), *zip(builder._host_sets, builder._host_bufs)]:
+        spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views.values())
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "fields overlap"
+        assert all(start % 16 == 0 for start, _ in spans)
+        assert spans[0][0] >= buf.data_ptr() and spans[-1][1] <= buf.data_ptr() + buf.numel()
+    assert builder._host_bufs[0].data_ptr() != builder._host_bufs[1].data_ptr()
+
+
+def test_a_pending_token_is_taken_from_the_previous_sampler_output():
+    builder = make_builder()
+    batch = ScheduledBatch([
+        seq("prefill", [11, 12, 13], [], 0, 3, slot=0),
+        seq("decode", [21, 22], [23], 3, 1, pending_row=2),       # its 4th token (position 3) is pending
+        seq("known", [31], [32], 1, 1),
+    ])
+    prev_tokens = torch.tensor([90, 91, 92, 93])
+    fb = builder.build(batch, prev_tokens=prev_tokens)
+    assert fb.input_ids.tolist() == [11, 12, 13, 92, 32]
+    assert fb.positions.tolist() == [0, 1, 2, 3, 1]
+    assert fb.slot_mapping.tolist() == [12, 13, 14, 15, 13]    # block 3 holds positions 0-3
+    assert fb.seq_lens.tolist() == [3, 4, 2]
+    assert fb.lora.weight_indices_host == [0, -1] and fb.lora.seg_indptr_host == [0, 3, 5]
+
+
+def test_consecutive_builds_alternate_host_sets_and_keep_device_views():
+    builder = make_builder()
+    batch = ScheduledBatch([seq("a", [5, 6], [], 0, 2)])
+    first = builder.build(batch)
+    host_first = builder.host
+    second = builder.build(batch)
+    assert builder.host is not host_first
+    assert first.input_ids.data_ptr() == second.input_ids.data_ptr()      # graph inputs never move
+    assert second.input_ids.tolist() == [5, 6]
