@@ -33,6 +33,7 @@ class InputBuilder:
         # all fields are views of one byte buffer per side, so a step's inputs go over in one copy
         self._host_bufs = [_byte_buffer(shapes, torch.device("cpu"), pin) for _ in range(2)]
         self._host_sets = [_field_views(buf, shapes) for buf in self._host_bufs]
+        self._host_np = [{k: v.numpy() for k, v in views.items()} for views in self._host_sets]  # same memory
         self._current = 0                 # which host set the latest build() filled
         self.host = self._host_sets[0]
         self._dev_buf = _byte_buffer(shapes, device, False)
@@ -46,10 +47,11 @@ class InputBuilder:
         the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
         pending tokens of this batch's requests come from."""
         self._current = 1 - self._current
-        self.host = h = self._host_sets[self._current]
+        self.host = self._host_sets[self._current]
+        h = self._host_np[self._current]      # numpy views: list -> buffer writes without torch.tensor()
         ids, pos, slots, qsl, lens, prompt_idx, sample_idx, prompt_rows = [], [], [], [0], [], [], [], []
         pending_dst, pending_src = [], []
-        h["block_tables"].fill_(-1)
+        h["block_tables"].fill(-1)
         for i, seq in enumerate(batch.seqs):
             end = seq.start + seq.num_new_tokens
             ids += seq.token_ids
@@ -63,7 +65,7 @@ class InputBuilder:
                       for p in range(seq.start, end)]
             qsl.append(qsl[-1] + seq.num_new_tokens)
             lens.append(end)
-            h["block_tables"][i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            h["block_tables"][i, :len(blocks)] = blocks
             scored = seq.request.prompt_logprob_positions(seq.start, end)
             if scored:
                 prompt_rows.append((i, scored))
@@ -84,7 +86,7 @@ class InputBuilder:
         for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
                              ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx),
                              ("pending_dst", pending_dst), ("pending_src", pending_src)):
-            h[name][:len(values)] = torch.tensor(values, dtype=h[name].dtype)
+            h[name][:len(values)] = values
         lora_info = self._build_lora(batch, pad_to, lora)
         self._to_device()
         d = self.dev
@@ -122,8 +124,9 @@ class InputBuilder:
             max_rank = max(ranks + [1]) if force else 0
         if max_rank == 0:
             return None
-        self.host["seg_indptr"][:len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
-        self.host["weight_indices"][:len(weights)] = torch.tensor(weights, dtype=torch.int32)
+        h = self._host_np[self._current]
+        h["seg_indptr"][:len(indptr)] = indptr
+        h["weight_indices"][:len(weights)] = weights
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
                              max_rank=max_rank, max_seg_len=max(b - a for a, b in zip(indptr, indptr[1:])),
