@@ -28,7 +28,6 @@ from worker.lora.prefetcher import Prefetcher
 from worker.lora.registry import AdapterRegistry
 from worker.lora.slot_table import SlotTable
 from worker.model_runner.runner import ModelRunner, StepHandle
-from worker.model_runner.sampler import has_penalty
 from worker.models.hf_config import ArchConfig
 from worker.request import AdapterRef, Request
 from worker.scheduler.scheduler import Scheduler
@@ -158,8 +157,6 @@ class Engine:
         When nothing can run while an adapter load is in flight, waits for the load (up to
         IDLE_LOAD_WAIT_S) instead of returning empty-handed at once."""
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and not self._may_overlap(self._in_flight[0]):
-            outputs += self._file_tokens()
         deadline = time.monotonic() + IDLE_LOAD_WAIT_S
         while True:
             self._collect_loads(outputs)
@@ -182,11 +179,6 @@ class Engine:
         if not self.config.async_scheduling:
             outputs += self._file_tokens()
         return outputs
-
-    def _may_overlap(self, batch: ScheduledBatch) -> bool:
-        """Whether the next batch may be scheduled before `batch`'s tokens are known: not when one of
-        its requests applies penalties, which count the generated tokens themselves."""
-        return not any(has_penalty(s.request.params) for s in batch.seqs if s.samples)
 
     def _launched(self, batch: ScheduledBatch) -> list[RequestOutput]:
         rejected = self.scheduler.launched(batch)

@@ -125,7 +125,7 @@ def test_adapter_mix_changes_between_replays_without_recapture(hf_models):
     assert second == alone
 
 
-@pytest.mark.parametrize("penalties", [False, True], ids=["overlapped", "penalties-file-first"])
+@pytest.mark.parametrize("penalties", [False, True], ids=["greedy-and-sampled", "with-penalties"])
 def test_steps_make_no_host_device_sync(hf_models, penalties):
     engine = make_engine(hf_models["qwen3"], enforce_eager=False, max_num_batched_tokens=64)
     run(engine)                                       # warm-up: Triton compilation and autotuning

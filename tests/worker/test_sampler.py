@@ -245,22 +245,28 @@ def test_seeded_row_varies_with_step():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_pending_token_counts_as_generated(temperature):
+@pytest.mark.parametrize("penalties", [dict(), dict(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3)])
+def test_a_pending_token_counts_as_generated(temperature, penalties):
     """Async scheduling: a row whose last token is still on the device samples exactly as the same
-    row with that token known (min_tokens and the per-step seed count it; penalties need it known)."""
+    row with that token known: min_tokens and the per-step seed count it, penalties count its id,
+    read from the previous step's sampler output (`prev_tokens`) at the row's `pending_row`."""
     vocab = 16
     logits = _logits(1, vocab, seed=14).repeat(2, 1)
     logits[:, 4] = 50.0    # the stop token leads: masked only while min_tokens is not reached
-    for known_output in ([3], [3, 5], [3, 5, 7]):
-        known = _row(output=known_output, min_tokens=3, stop_token_ids=[4], seed=9, temperature=temperature)
-        pending = SamplingRow(known.params, known.prompt_token_ids, known_output[:-1], num_pending=1)
+    for known_output in ([3], [3, 5], [3, 5, 5, 7]):
+        known = _row(output=known_output, min_tokens=3, stop_token_ids=[4], seed=9, temperature=temperature,
+                     **penalties)
+        prev_tokens = torch.tensor([11, 12, known_output[-1], 13])
+        pending = SamplingRow(known.params, known.prompt_token_ids, known_output[:-1], num_pending=1, pending_row=2)
         sampler = Sampler(vocab)
-        masked = sampler.process_logits(logits, [known, pending])
+        masked = sampler.process_logits(logits, [known, pending], prev_tokens)
         assert torch.equal(masked[0], masked[1])
         assert (masked[0, 4] == -math.inf) == (len(known_output) < 3)
-        assert sampler(logits, [known, pending]).token_ids.tolist() == [sampler(logits[:1], [known]).token_ids.item()] * 2
-    with pytest.raises(AssertionError, match="penalties"):
-        Sampler(vocab).process_logits(logits[:1], [SamplingRow(SamplingParams(presence_penalty=1.0), [1], [], 1)])
+        both = sampler(logits, [known, pending], prev_tokens).token_ids.tolist()
+        assert both == [sampler(logits[:1], [known]).token_ids.item()] * 2
+    if penalties:    # the pending id matters: counted as another token, the row would differ
+        wrong = torch.tensor([11, 12, 0, 13])
+        assert not torch.equal(sampler.process_logits(logits[:1], [pending], wrong)[0], masked[0])
 
 
 def test_unseeded_rows_reproducible_from_sampler_seed():

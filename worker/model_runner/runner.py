@@ -103,10 +103,10 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
             logits = logits[len(logits) - len(forward_batch.sample_rows):]   # [num_sampling_seqs, vocab]
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
-                            s.request.num_pending) for s in batch.seqs if s.samples]
+                            s.request.num_pending, s.request.pending_row) for s in batch.seqs if s.samples]
         if not rows:
             return StepHandle(logits, None, prompt_logprobs)
-        return StepHandle(logits, self.sampler(logits, rows).copy_to_host(), prompt_logprobs)
+        return StepHandle(logits, self.sampler(logits, rows, prev_tokens).copy_to_host(), prompt_logprobs)
 
     @torch.inference_mode()
     def _warm_up(self, block_size: int, long_len: int) -> None:

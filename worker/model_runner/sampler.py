@@ -22,6 +22,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]     # tokens generated before this step, as known on the host
     num_pending: int = 0            # generated tokens still on their way from the device (async scheduling)
+    pending_row: int = -1           # where the pending token is in the previous step's sampler output
 
     @property
     def num_generated(self) -> int:
@@ -92,10 +93,12 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)  # rows without a seed
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 prev_tokens: torch.Tensor | None = None) -> SamplerOutput:
+        """`prev_tokens`: the previous step's sampled ids on the device, where rows' pending tokens are."""
         # logits: [num_rows, vocab_size] float32 or bfloat16
         raw = logits.float()
-        processed = self.process_logits(raw, rows)
+        processed = self.process_logits(raw, rows, prev_tokens)
         token_ids = processed.argmax(dim=-1)                                   # [num_rows]
         if not all(r.params.greedy for r in rows):
             drawn = self._draw(self.sampling_probs(processed, rows), rows)     # [num_rows]
@@ -103,12 +106,13 @@ class Sampler:
             token_ids = torch.where(greedy, token_ids, drawn)
         return SamplerOutput(token_ids, self._row_logprobs(raw, token_ids, rows))
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Penalties (repetition, frequency, presence), then the min_tokens mask: the logits a
         greedy row takes the argmax of, in float32. `logits` itself is never written to."""
         logits = logits.float()
         if any(has_penalty(r.params) for r in rows):
-            logits = self._apply_penalties(logits, rows)
+            logits = self._apply_penalties(logits, rows, prev_tokens)
         return self._mask_early_stops(logits, rows)
 
     def sampling_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -124,10 +128,15 @@ class Sampler:
             logits = self._apply_min_p(logits, rows)
         return logits.softmax(dim=-1)
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        assert not any(r.num_pending and has_penalty(r.params) for r in rows), \
-            "penalties need every generated token on the host"   # rows without penalties are unaffected
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow],
+                         prev_tokens: torch.Tensor | None) -> torch.Tensor:
         counts = self._token_counts([r.output_token_ids for r in rows])          # [n, V]
+        pending = [(i, r.pending_row) for i, r in enumerate(rows) if r.num_pending]
+        if pending:   # tokens not on the host yet are counted from the device, without reading them back
+            assert prev_tokens is not None, "rows with a pending token need the previous sampler output"
+            row_idx, src = (self._to_device(list(x), torch.int64) for x in zip(*pending))
+            counts.index_put_((row_idx, prev_tokens[src]), torch.ones_like(row_idx, dtype=counts.dtype),
+                              accumulate=True)
         seen = (self._token_counts([r.prompt_token_ids for r in rows]) > 0) | (counts > 0)
         repetition = self._to_device([r.params.repetition_penalty for r in rows], torch.float32)
         frequency = self._to_device([r.params.frequency_penalty for r in rows], torch.float32)
