@@ -145,20 +145,21 @@ def test_serve_accepts_vllm_flags():
         "--max-num-seqs", "128", "--max-num-batched-tokens", "8192", "--host", "0.0.0.0", "--port", "9000",
         "--api-key", "k", "--device", "cpu", "--dtype", "bfloat16", "--load-format", "dummy", "--enforce-eager",
         "--seed", "3", "--lora-dir", "/l1", "--lora-dir", "/l2", "--uvicorn-log-level", "warning",
-        "--block-size", "32", "--gpu-memory-utilization", "0.8", "--enable-lora"])
+        "--block-size", "32", "--gpu-memory-utilization", "0.8", "--enable-lora", "--no-async-scheduling"])
     config = GatewayConfig.from_args(args)
     assert config == GatewayConfig(
         model="/m", served_model_names=("a", "b"), lora_modules=(LoRAModule("x", "/x"), LoRAModule("y", "/y")),
         lora_dirs=("/l1", "/l2"), max_loras=8, max_cpu_loras=32, max_lora_rank=64, max_model_len=4096,
         max_num_seqs=128, max_num_batched_tokens=8192, block_size=32, gpu_memory_utilization=0.8, device="cpu",
-        dtype="bfloat16", load_format="dummy", enforce_eager=True, seed=3, host="0.0.0.0", port=9000,
-        api_key="k", uvicorn_log_level="warning")
+        dtype="bfloat16", load_format="dummy", enforce_eager=True, async_scheduling=False, seed=3, host="0.0.0.0",
+        port=9000, api_key="k", uvicorn_log_level="warning")
     worker = config.worker_config()
     assert (worker.model.path, worker.model.dtype, worker.model.load_format, worker.model.max_model_len) == \
         ("/m", "bfloat16", "dummy", 4096)
     assert (worker.lora.max_loras, worker.lora.max_cpu_loras, worker.lora.max_lora_rank) == (8, 32, 64)
     assert (worker.scheduler.max_num_seqs, worker.scheduler.max_num_batched_tokens) == (128, 8192)
     assert (worker.cache.block_size, worker.cache.gpu_memory_utilization, worker.device) == (32, 0.8, "cpu")
+    assert (worker.enforce_eager, worker.async_scheduling) == (True, False)
 
 
 def test_serve_defaults_name_the_model_by_its_path(monkeypatch):
@@ -168,6 +169,7 @@ def test_serve_defaults_name_the_model_by_its_path(monkeypatch):
     assert config.served_names == ("/m",) and config.tokenizer_path == "/m" and config.api_key is None
     worker = config.worker_config()
     assert (worker.lora, worker.scheduler, worker.cache) == (LoRAConfig(), SchedulerConfig(), CacheConfig())
+    assert worker.async_scheduling and not worker.enforce_eager
 
 
 def test_bad_flag_value_exits_with_usage_error():
