@@ -5,7 +5,8 @@
 The memory floor of a step is the bytes it must read (base weights, plus the weights of the adapters
 in the batch) divided by the device copy bandwidth measured in the same run. Step times are the wall
 time of Engine.step() (host work included) and, for graph runs, the replay alone timed with CUDA events.
---profile adds each kernel's device time per step (torch.profiler), graph and eager.
+--profile adds each kernel's device time per step (torch.profiler), graph and eager. "graphs-sync" runs
+are the same steps with async scheduling off (each step's tokens read back before the next is scheduled).
 """
 from __future__ import annotations
 
@@ -46,13 +47,13 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
     return 2 * num_bytes / seconds
 
 
-def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool) -> Engine:
+def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096),
-        device="cuda", enforce_eager=eager))
+        device="cuda", enforce_eager=eager, async_scheduling=async_scheduling))
 
 
 def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int, prompt_len: int = 128) -> dict:
@@ -142,16 +143,18 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(32)]
-        for eager in (False, True):
-            engine = build_engine(args.model, 32, 32, eager)
+        for mode in ("graphs", "eager", "graphs-sync"):
+            eager, sync = mode == "eager", mode == "graphs-sync"
+            engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync)
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)
             results["weight_bytes"] = base
-            mode = "eager" if eager else "graphs"
             runs = {"b1_base": (1, [None]), "b32_base": (32, [None])}
-            if not eager:
+            if mode == "graphs":
                 runs.update({"b1_lora16": (1, ["a0"]), "b32_32lora16": (32, [f"a{i}" for i in range(32)])})
+            elif sync:    # what async scheduling buys, measured beside it
+                runs = {"b1_base": (1, [None]), "b32_32lora16": (32, [f"a{i}" for i in range(32)])}
             for name, (batch, names) in runs.items():
                 result = time_decode(engine, batch, names, args.steps)
                 n_adapters = len({n for n in names if n})
@@ -159,7 +162,7 @@ def main() -> None:
                 result.update(floor_ms=floor_ms, step_over_floor=result["step_ms_median"] / floor_ms)
                 results["runs"][f"{mode}_{name}"] = result
                 logger.info("%s %s: %s", mode, name, result)
-            if args.profile:
+            if args.profile and not sync:
                 for name, (batch, names) in {"b1_base": (1, [None]),
                                              "b32_32lora16": (32, [f"a{i}" for i in range(32)])}.items():
                     results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, batch, names)
@@ -177,6 +180,9 @@ def main() -> None:
         "b1_lora16_replay_over_b1_base_replay": r["graphs_b1_lora16"]["replay_ms"] / r["graphs_b1_base"]["replay_ms"],
         "b32_32lora16_replay_over_floor_with_adapters":
             r["graphs_b32_32lora16"]["replay_ms"] / r["graphs_b32_32lora16"]["floor_ms"],
+        "b1_sync_over_async": r["graphs-sync_b1_base"]["step_ms_median"] / r["graphs_b1_base"]["step_ms_median"],
+        "b32_32lora16_sync_over_async":
+            r["graphs-sync_b32_32lora16"]["step_ms_median"] / r["graphs_b32_32lora16"]["step_ms_median"],
     }
     print(json.dumps(results, indent=2))
     if args.out:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
-# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [kernels] [sweep] [loading] [serve] [hf]
+# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [kernels] [sweep] [loading]
+#   [loading-nostreams] [serve] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -10,21 +11,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 MODEL=bench/configs/llama-3.1-8b
 
-serve_preset() {   # serve_preset NAME: the 8B dummy server with the preset's flags and adapters, then the preset
-  local name=$1 adapters=/tmp/adapters-$1
+serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the 8B dummy server with the preset's flags and
+                   # adapters (plus any extra flags), then the preset; results in NAME[SUFFIX].json
+  local name=$1 suffix=${2:-} adapters=/tmp/adapters-$1
+  local extra=("${@:3}")
   read -r -a make_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].make_adapters_args())")"
   read -r -a server_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].server_args)")"
   python3 -m bench.make_adapters --config $MODEL --out $adapters "${make_args[@]}" > /dev/null 2>&1
-  echo "preset $name: server ${server_args[*]}, adapters ${make_args[*]}" >> "$OUT/serve.log"
+  echo "preset $name$suffix: server ${server_args[*]} ${extra[*]}, adapters ${make_args[*]}" >> "$OUT/serve.log"
   python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok --load-format dummy --max-model-len 4096 \
     --port 8100 --uvicorn-log-level warning --lora-modules $(for a in $adapters/*; do echo "${a##*/}=$a"; done) \
-    "${server_args[@]}" >> "$OUT/serve.log" 2>&1 &
+    "${server_args[@]}" "${extra[@]}" >> "$OUT/serve.log" 2>&1 &
   local pid=$!
   for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
   timeout 200 python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress \
-    --out "$OUT/$name.json" >> "$OUT/serve.log" 2>&1
+    --out "$OUT/$name$suffix.json" >> "$OUT/serve.log" 2>&1
   local rc=$?
-  echo "preset $name: rc=$rc" >> "$OUT/serve.log"
+  echo "preset $name$suffix: rc=$rc" >> "$OUT/serve.log"
   kill $pid; wait $pid
   return $rc
 }
@@ -40,6 +43,13 @@ for stage in $stages; do
     serve)   python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
              failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
+             (exit $failed) ;;
+    serve-sync)   # the same presets with async scheduling off: its TTFT cost and ITL gain side by side
+             python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
+             failed=0
+             for preset in sglang-single-adapter sglang-multi-adapter; do
+               serve_preset $preset -sync --no-async-scheduling || failed=1
+             done
              (exit $failed) ;;
     hf)      python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters --num 6 --rank 16 > /dev/null 2>&1
              timeout 200 python3 -m bench.hf_baseline --model $MODEL --load-format dummy --lora-dir /tmp/adapters \
