@@ -99,7 +99,7 @@ class Request:
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason = "stop"
                 return True
-        if n_out >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
-            self.finish_reason = "length"
+        if n_out >= self.params.max_tokens or len(self.prompt_token_ids) + n_out >= self.max_model_len:
+            self.finish_reason = "length"   # by the tokens arrived: a later step's may be pending already
             return True
         return False

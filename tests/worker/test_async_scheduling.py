@@ -23,8 +23,9 @@ def llama(hf_models):
     return hf_models["llama"]
 
 
-def make_engine(model_dir, async_scheduling: bool, num_blocks: int = 256, **sched) -> Engine:
-    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=num_blocks),
+def make_engine(model_dir, async_scheduling: bool, num_blocks: int = 256, max_model_len: int | None = None,
+                **sched) -> Engine:
+    engine = Engine(WorkerConfig(ModelConfig(str(model_dir), max_model_len=max_model_len), cache=CacheConfig(block_size=4, num_blocks_override=num_blocks),
                                  lora=LoRAConfig(max_loras=2, max_lora_rank=16), scheduler=SchedulerConfig(**sched),
                                  device="cpu", async_scheduling=async_scheduling))
     for spec in ADAPTERS:
@@ -148,6 +149,14 @@ def test_a_request_at_its_length_limit_is_not_scheduled_again(llama):
     while engine.has_unfinished():
         engine.step()
     assert launched == [1, 1, 1, 1]
+
+
+def test_max_model_len_ends_a_request_at_the_same_token_as_sync(llama):
+    """The next step's pending token must not count toward max_model_len when this step's token arrives."""
+    arrivals = {0: [("x", prompt(10, 5), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), None)]}
+    sync, overlapped = (drive(make_engine(llama, a, max_model_len=16), arrivals) for a in (False, True))
+    assert overlapped == sync
+    assert (len(sync["x"]["tokens"]), sync["x"]["finish"]) == (6, "length")
 
 
 @pytest.mark.parametrize("when", [1, 2, 4])
