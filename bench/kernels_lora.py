@@ -187,18 +187,19 @@ def main() -> None:
         sweeps = []
         for case in SWEEP_CASES:   # the file is rewritten after each case, so a cut-off run keeps what it has
             sweeps.append(sweep(case, dtype, 50))
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "sweeps": sweeps}, f, indent=2)
+            _write(args.out, dtype=args.dtype, sweeps=sweeps)
         return
     results = []
     for case in CASES:
         results.append(run_case(case, dtype, args.iters))
         logger.info("done %s", case.name)
     print(_table(results))
-    device = torch.cuda.get_device_name()
-    with open(args.out, "w") as f:
-        json.dump({"device": device, "dtype": args.dtype, "iters": args.iters,
-                   "results": [asdict(r) for r in results]}, f, indent=2)
+    _write(args.out, dtype=args.dtype, iters=args.iters, results=[asdict(r) for r in results])
+
+
+def _write(path: str, **payload) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), **payload}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the 8B dummy ser
                    # adapters (plus any extra flags), then the preset; results in NAME[SUFFIX].json
   local name=$1 suffix=${2:-} adapters=/tmp/adapters-$1
   local extra=("${@:3}")
+  [ -d /tmp/tok ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
   read -r -a make_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].make_adapters_args())")"
   read -r -a server_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].server_args)")"
   python3 -m bench.make_adapters --config $MODEL --out $adapters "${make_args[@]}" > /dev/null 2>&1
@@ -40,12 +41,10 @@ for stage in $stages; do
     decode)  timeout 300 python3 -m bench.decode_step --profile --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
-    serve)   python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
-             failed=0
+    serve)   failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
              (exit $failed) ;;
     serve-sync)   # the same presets with async scheduling off: its TTFT cost and ITL gain side by side
-             python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
              failed=0
              for preset in sglang-single-adapter sglang-multi-adapter; do
                serve_preset $preset -sync --no-async-scheduling || failed=1

@@ -351,14 +351,20 @@ def test_overlap_and_blocking_loads_give_identical_tokens(llama, variants):
 # runtime changes during traffic
 
 
+def step_collecting(engine: Engine, steps: int) -> dict[str, list]:
+    """Outputs of `steps` engine steps, per request id."""
+    outs: dict[str, list] = {}
+    for _ in range(steps):
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
 def test_unload_lets_in_flight_requests_finish_then_frees_the_adapter(llama, variants):
     engine = make_engine(llama, {"v4": variants["v4"]}, max_num_seqs=1)
     engine.add_request("running", prompt(5, 6), greedy(6), "v4")
     engine.add_request("queued", prompt(6, 7), greedy(4), "v4")
-    outs = {}
-    for _ in range(2):
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
+    outs = step_collecting(engine, 2)
     engine.remove_adapter("v4")
     with pytest.raises(AdapterError, match="The model `v4` does not exist.") as err:
         engine.add_request("late", prompt(3, 8), greedy(2), "v4")
@@ -376,10 +382,7 @@ def test_load_inplace_keeps_old_requests_on_old_weights_and_new_on_new(llama, va
     engine = make_engine(llama, {"live": variants["v0"]}, max_num_seqs=1)
     engine.add_request("old-running", prompt(5, 9), greedy(5), "live")
     engine.add_request("old-queued", prompt(4, 10), greedy(3), "live")
-    outs = {}
-    for _ in range(2):
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
+    outs = step_collecting(engine, 2)
     engine.add_adapter("live", variants["v1"], load_inplace=True)
     (state,) = engine.adapter_states()
     assert (state.version, state.path) == (2, variants["v1"])

@@ -1,9 +1,10 @@
 """ScheduledBatch -> ForwardBatch, through persistent buffers refilled every step.
 
 Host-side staging buffers (pinned on CUDA) are filled in Python, then copied to device buffers of
-fixed size with non_blocking=True, all fields at once (each side's fields are views of one byte buffer); the ForwardBatch holds views of the device buffers, so their
-storage never moves (what CUDA graphs need). A decode batch may be padded to a graph's batch size:
-padding sequences have one token that writes no K/V (slot -1), reads block 0, and uses no adapter.
+fixed size with non_blocking=True, all fields in one copy (each side's fields are views of one byte
+buffer); the ForwardBatch holds views of the device buffers, so their storage never moves (what CUDA
+graphs need). A decode batch may be padded to a graph's batch size: padding sequences have one token
+that writes no K/V (slot -1), reads block 0, and uses no adapter.
 
 Async scheduling: a decode token sampled by the batch still in flight is not known on the host. Its
 input id is taken on the device from that batch's sampler output (`prev_tokens`), by a gather
@@ -35,7 +36,6 @@ class InputBuilder:
         self._host_sets = [_field_views(buf, shapes) for buf in self._host_bufs]
         self._host_np = [{k: v.numpy() for k, v in views.items()} for views in self._host_sets]  # same memory
         self._current = 0                 # which host set the latest build() filled
-        self.host = self._host_sets[0]
         self._dev_buf = _byte_buffer(shapes, device, False)
         self.dev = _field_views(self._dev_buf, shapes)
         self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
@@ -47,7 +47,6 @@ class InputBuilder:
         the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
         pending tokens of this batch's requests come from."""
         self._current = 1 - self._current
-        self.host = self._host_sets[self._current]
         h = self._host_np[self._current]      # numpy views: list -> buffer writes without torch.tensor()
         ids, pos, slots, qsl, lens, prompt_idx, sample_idx, prompt_rows = [], [], [], [0], [], [], [], []
         pending_dst, pending_src = [], []
@@ -102,6 +101,11 @@ class InputBuilder:
             logits_indices=d["logits_indices"][:len(logits_idx)], lora=lora_info,
             sample_rows=list(range(len(prompt_idx), len(logits_idx))), prompt_rows=prompt_rows,
             query_start_loc_host=qsl, seq_lens_host=lens)
+
+    @property
+    def host(self) -> dict[str, torch.Tensor]:
+        """The host staging views the latest build() filled."""
+        return self._host_sets[self._current]
 
     def _build_lora(self, batch: ScheduledBatch, pad_to: int | None, force: bool | None) -> LoRABatchInfo | None:
         """Merge consecutive sequences of the same slot into segments (not when padding for a graph).

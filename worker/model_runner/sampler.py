@@ -111,7 +111,7 @@ class Sampler:
         """Penalties (repetition, frequency, presence), then the min_tokens mask: the logits a
         greedy row takes the argmax of, in float32. `logits` itself is never written to."""
         logits = logits.float()
-        if any(has_penalty(r.params) for r in rows):
+        if any(_has_penalty(r.params) for r in rows):
             logits = self._apply_penalties(logits, rows, prev_tokens)
         return self._mask_early_stops(logits, rows)
 
@@ -272,7 +272,7 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return host
 
 
-def has_penalty(params: SamplingParams) -> bool:
+def _has_penalty(params: SamplingParams) -> bool:
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0)
 

@@ -24,7 +24,8 @@ def preemption_victim(running: list[Request]) -> Request:
     return max(running, key=running_key)
 
 
-def may_overtake(request: Request, skipped: list[Request], max_bypasses: int, draining: AdapterRef | None) -> bool:
+def may_overtake(request: Request, skipped: list[Request], max_bypasses: int,
+                 draining: AdapterRef | None) -> bool:
     """Whether `request` may take an adapter slot ahead of requests `skipped` for want of a slot.
 
     Base-model requests always may. Once a skipped request has been overtaken `max_bypasses` times,

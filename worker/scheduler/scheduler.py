@@ -16,6 +16,7 @@ only once its adapter's load has finished, in a later step, and waits without ho
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 
 from worker.batch import ScheduledBatch, ScheduledSeq
@@ -23,7 +24,7 @@ from worker.config import LoRAConfig, SchedulerConfig
 from worker.kv_cache.block_allocator import BlockAllocator
 from worker.lora.prefetcher import Prefetcher
 from worker.lora.slot_table import SlotTable
-from worker.request import Request, RequestStatus
+from worker.request import AdapterRef, Request, RequestStatus
 from worker.scheduler import policy
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ class Scheduler:
         self.running: list[Request] = []   # policy.running_key order (oldest first); read-only outside
         self._unfinished: dict[str, Request] = {}
         self._rejected: list[Request] = []  # ended with "error" in schedule(); next update() returns them
-        self._draining = None
 
     @property
     def num_running(self) -> int:
@@ -107,16 +107,16 @@ class Scheduler:
         Returns the requests schedule() ended with "error" (it must be followed by this call, also
         when the batch is empty).
         """
+        rows = itertools.count()      # a sampling seq's row in the sampler output
         for seq in batch.seqs:
+            row = next(rows) if seq.samples else None
             request = seq.request
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += seq.num_new_tokens
-            if seq.samples:
+            if row is not None:
                 request.num_pending += 1
-        rows = (seq for seq in batch.seqs if seq.samples)
-        for row, seq in enumerate(rows):
-            seq.request.pending_row = row
+                request.pending_row = row
         rejected, self._rejected = self._rejected, []
         return rejected
 
@@ -177,7 +177,7 @@ class Scheduler:
 
         `starved`: adapters the prefetcher found no slot for (their requests count as overtaken)."""
         skipped: list[Request] = []   # waiting for an adapter slot; later requests overtake them
-        self._draining = None         # the adapter whose slot is drained for them, chosen when needed
+        draining = None               # the adapter whose slot is drained for them, chosen when needed
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -186,8 +186,11 @@ class Scheduler:
             if self._never_fits(request):
                 self._reject(request)
                 continue
-            if request.adapter is not None and not self._adapter_ready(request, skipped, starved):
-                continue
+            if request.adapter is not None:
+                if skipped and draining is None:
+                    draining = policy.slot_to_drain(self.running, self.slots.pinned)
+                if not self._adapter_ready(request, skipped, starved, draining):
+                    continue
             num_new = min(request.num_tokens, budget)
             need = self.blocks.blocks_needed(num_new)
             if not self.blocks.can_allocate(need):
@@ -198,15 +201,14 @@ class Scheduler:
             budget -= num_new
         self.waiting = [r for r in self.waiting if r.status is RequestStatus.WAITING]
 
-    def _adapter_ready(self, request: Request, skipped: list[Request], starved: set) -> bool:
+    def _adapter_ready(self, request: Request, skipped: list[Request], starved: set,
+                       draining: AdapterRef | None) -> bool:
         """Whether `request`'s adapter lets it in now; one kept out for want of a slot joins `skipped`."""
         if self.prefetcher is not None and not self.slots.is_loaded(request.adapter):
             if request.adapter in starved:
                 skipped.append(request)
             return False       # still loading, or on its way from disk: it waits, nobody else does
-        if skipped and self._draining is None:
-            self._draining = policy.slot_to_drain(self.running, self.slots.pinned)
-        if (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses, self._draining)
+        if (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses, draining)
                 and self.slots.can_acquire(request.adapter)):
             return True
         skipped.append(request)
