@@ -29,6 +29,12 @@ from worker.lora.adapter import module_shapes
 from worker.models.hf_config import ArchConfig
 
 logger = logging.getLogger(__name__)
+# run name -> (batch size, adapter of each sequence, cycled); adapters a0..a31 are rank 16
+RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"]),
+        "b32_32lora16": (32, [f"a{i}" for i in range(32)])}
+MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
+             "graphs-sync": ["b1_base", "b32_32lora16"]}   # sync: what async scheduling buys, beside it
+PROFILED = ["b1_base", "b32_32lora16"]
 
 
 def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
@@ -143,19 +149,15 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(32)]
-        for mode in ("graphs", "eager", "graphs-sync"):
+        for mode in MODE_RUNS:
             eager, sync = mode == "eager", mode == "graphs-sync"
             engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync)
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)
             results["weight_bytes"] = base
-            runs = {"b1_base": (1, [None]), "b32_base": (32, [None])}
-            if mode == "graphs":
-                runs.update({"b1_lora16": (1, ["a0"]), "b32_32lora16": (32, [f"a{i}" for i in range(32)])})
-            elif sync:    # what async scheduling buys, measured beside it
-                runs = {"b1_base": (1, [None]), "b32_32lora16": (32, [f"a{i}" for i in range(32)])}
-            for name, (batch, names) in runs.items():
+            for name in MODE_RUNS[mode]:
+                batch, names = RUNS[name]
                 result = time_decode(engine, batch, names, args.steps)
                 n_adapters = len({n for n in names if n})
                 floor_ms = 1e3 * (base + n_adapters * adapter_bytes(arch, 16)) / bandwidth
@@ -163,9 +165,8 @@ def main() -> None:
                 results["runs"][f"{mode}_{name}"] = result
                 logger.info("%s %s: %s", mode, name, result)
             if args.profile and not sync:
-                for name, (batch, names) in {"b1_base": (1, [None]),
-                                             "b32_32lora16": (32, [f"a{i}" for i in range(32)])}.items():
-                    results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, batch, names)
+                for name in PROFILED:
+                    results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, *RUNS[name])
             del engine
             gc.collect()
             torch.cuda.empty_cache()
