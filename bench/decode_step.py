@@ -136,12 +136,36 @@ def adapter_bytes(arch: ArchConfig, rank: int) -> int:
     return per_layer * arch.num_layers * 2
 
 
+RATIOS = {   # name: (numerator run, its field, denominator run, its field)
+    "b1_base_step_over_floor": ("graphs_b1_base", "step_ms_median", "graphs_b1_base", "floor_ms"),
+    "b1_lora16_over_b1_base": ("graphs_b1_lora16", "step_ms_median", "graphs_b1_base", "step_ms_median"),
+    "b32_32lora16_over_floor_with_adapters":
+        ("graphs_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "floor_ms"),
+    "b1_eager_over_graphs": ("eager_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
+    "b32_eager_over_graphs": ("eager_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
+    "b1_base_replay_over_floor": ("graphs_b1_base", "replay_ms", "graphs_b1_base", "floor_ms"),
+    "b1_lora16_replay_over_b1_base_replay": ("graphs_b1_lora16", "replay_ms", "graphs_b1_base", "replay_ms"),
+    "b32_32lora16_replay_over_floor_with_adapters":
+        ("graphs_b32_32lora16", "replay_ms", "graphs_b32_32lora16", "floor_ms"),
+    "b1_sync_over_async": ("graphs-sync_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
+    "b32_32lora16_sync_over_async":
+        ("graphs-sync_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
+}
+
+
+def ratios(runs: dict) -> dict:
+    """The issue's ratios, each where both of its runs were made."""
+    return {name: runs[a][fa] / runs[b][fb] for name, (a, fa, b, fb) in RATIOS.items() if a in runs and b in runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bench/configs/llama-3.1-8b")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="also record per-kernel device time per step")
+    parser.add_argument("--modes", nargs="+", choices=list(MODE_RUNS), default=list(MODE_RUNS),
+                        help="engine modes to time (default: all); ratios are given where their runs were made")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arch = ArchConfig.from_dir(args.model)
@@ -149,7 +173,7 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(32)]
-        for mode in MODE_RUNS:
+        for mode in args.modes:
             eager, sync = mode == "eager", mode == "graphs-sync"
             engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync)
             for i, path in enumerate(adapters):
@@ -170,21 +194,7 @@ def main() -> None:
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-    r = results["runs"]
-    results["ratios"] = {
-        "b1_base_step_over_floor": r["graphs_b1_base"]["step_over_floor"],
-        "b1_lora16_over_b1_base": r["graphs_b1_lora16"]["step_ms_median"] / r["graphs_b1_base"]["step_ms_median"],
-        "b32_32lora16_over_floor_with_adapters": r["graphs_b32_32lora16"]["step_over_floor"],
-        "b1_eager_over_graphs": r["eager_b1_base"]["step_ms_median"] / r["graphs_b1_base"]["step_ms_median"],
-        "b32_eager_over_graphs": r["eager_b32_base"]["step_ms_median"] / r["graphs_b32_base"]["step_ms_median"],
-        "b1_base_replay_over_floor": r["graphs_b1_base"]["replay_ms"] / r["graphs_b1_base"]["floor_ms"],
-        "b1_lora16_replay_over_b1_base_replay": r["graphs_b1_lora16"]["replay_ms"] / r["graphs_b1_base"]["replay_ms"],
-        "b32_32lora16_replay_over_floor_with_adapters":
-            r["graphs_b32_32lora16"]["replay_ms"] / r["graphs_b32_32lora16"]["floor_ms"],
-        "b1_sync_over_async": r["graphs-sync_b1_base"]["step_ms_median"] / r["graphs_b1_base"]["step_ms_median"],
-        "b32_32lora16_sync_over_async":
-            r["graphs-sync_b32_32lora16"]["step_ms_median"] / r["graphs_b32_32lora16"]["step_ms_median"],
-    }
+    results["ratios"] = ratios(results["runs"])
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -144,6 +144,7 @@ def summarize(timeline: Timeline, before, after) -> dict:
     ids = list(timeline.arrival)
     stream_itl = [b - a for times in timeline.streams.values() for a, b in zip(times, times[1:])]
     resident = [i for i in ids if timeline.resident[i]]
+    loading = [i for i in ids if not timeline.resident[i]]
     copy_s = after.gpu.load_seconds_sum - before.gpu.load_seconds_sum
     copied = after.gpu.loaded_bytes - before.gpu.loaded_bytes
     tiers = {tier: {k: getattr(getattr(after, tier), k) - getattr(getattr(before, tier), k)
@@ -153,6 +154,8 @@ def summarize(timeline: Timeline, before, after) -> dict:
     return {"requests": len(ids), "resident_at_arrival": len(resident),
             "ttft_p50_ms": 1e3 * statistics.median(timeline.ttft(ids)),
             "ttft_p90_ms": 1e3 * statistics.quantiles(timeline.ttft(ids), n=10)[-1],
+            "ttft_p50_resident_ms": 1e3 * statistics.median(timeline.ttft(resident)) if resident else None,
+            "ttft_p50_loading_ms": 1e3 * statistics.median(timeline.ttft(loading)) if loading else None,
             "itl_p50_resident_ms": 1e3 * statistics.median(timeline.itl(resident)) if timeline.itl(resident) else None,
             "itl_p50_streams_ms": 1e3 * statistics.median(stream_itl) if stream_itl else None,
             "stream_itl_samples": len(stream_itl),
