@@ -6,7 +6,8 @@ The memory floor of a step is the bytes it must read (base weights, plus the wei
 in the batch) divided by the device copy bandwidth measured in the same run. Step times are the wall
 time of Engine.step() (host work included) and, for graph runs, the replay alone timed with CUDA events.
 --profile adds each kernel's device time per step (torch.profiler), graph and eager. "graphs-sync" runs
-are the same steps with async scheduling off (each step's tokens read back before the next is scheduled).
+are the same steps with async scheduling off (each step's tokens read back before the next is scheduled);
+"graphs-inline" runs have each LoRA shrink in line on the compute stream instead of beside its base GEMM.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"]),
         "b32_32lora16": (32, [f"a{i}" for i in range(32)])}
 MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
-             "graphs-sync": ["b1_base", "b32_32lora16"]}   # sync: what async scheduling buys, beside it
+             "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
+             "graphs-inline": ["b1_lora16", "b32_32lora16"]}   # what the shrink's side stream buys
 PROFILED = ["b1_base", "b32_32lora16"]
 
 
@@ -53,11 +55,12 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
     return 2 * num_bytes / seconds
 
 
-def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True) -> Engine:
+def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
+                 side_stream: bool = True) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
-        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
+        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16, lora_side_stream=side_stream),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096),
         device="cuda", enforce_eager=eager, async_scheduling=async_scheduling))
 
@@ -150,6 +153,10 @@ RATIOS = {   # name: (numerator run, its field, denominator run, its field)
     "b1_sync_over_async": ("graphs-sync_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
     "b32_32lora16_sync_over_async":
         ("graphs-sync_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
+    "b1_lora16_inline_over_side_stream":
+        ("graphs-inline_b1_lora16", "step_ms_median", "graphs_b1_lora16", "step_ms_median"),
+    "b32_32lora16_inline_over_side_stream":
+        ("graphs-inline_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
 }
 
 
@@ -174,8 +181,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(32)]
         for mode in args.modes:
-            eager, sync = mode == "eager", mode == "graphs-sync"
-            engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync)
+            eager, sync, inline = mode == "eager", mode == "graphs-sync", mode == "graphs-inline"
+            engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync, side_stream=not inline)
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)
@@ -188,7 +195,7 @@ def main() -> None:
                 result.update(floor_ms=floor_ms, step_over_floor=result["step_ms_median"] / floor_ms)
                 results["runs"][f"{mode}_{name}"] = result
                 logger.info("%s %s: %s", mode, name, result)
-            if args.profile and not sync:
+            if args.profile and mode in ("graphs", "eager"):
                 for name in PROFILED:
                     results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, *RUNS[name])
             del engine

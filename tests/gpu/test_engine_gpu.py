@@ -26,10 +26,11 @@ def prompts() -> list[list[int]]:
     return [torch.randint(2, 320, (n,), generator=gen).tolist() for n, _ in ROWS]
 
 
-def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, **sched) -> Engine:
+def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, side_stream: bool = True,
+                **sched) -> Engine:
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
-        lora=LoRAConfig(max_loras=4, max_lora_rank=16), scheduler=SchedulerConfig(max_num_seqs=16, **sched),
+        lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream), scheduler=SchedulerConfig(max_num_seqs=16, **sched),
         device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
@@ -112,6 +113,18 @@ def test_async_and_sync_scheduling_give_identical_tokens(hf_models, enforce_eage
     sync, _ = run(make_engine(hf_models["llama"], enforce_eager, async_scheduling=False))
     overlapped, _ = run(make_engine(hf_models["llama"], enforce_eager, async_scheduling=True))
     assert overlapped == sync
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_models, enforce_eager):
+    """The shrink overlapping the base GEMM on a second stream computes exactly what it does in line: the
+    same kernels on the same inputs, so every logit is bitwise equal (a missing fork or join would race)."""
+    in_line_tokens, in_line = run(make_engine(hf_models["llama"], enforce_eager, side_stream=False),
+                                  capture_logits=True)
+    side_tokens, side = run(make_engine(hf_models["llama"], enforce_eager, side_stream=True), capture_logits=True)
+    assert side_tokens == in_line_tokens
+    for request_id, rows in in_line.items():
+        assert all(torch.equal(a, b) for a, b in zip(side[request_id], rows, strict=True)), request_id
 
 
 def test_adapter_mix_changes_between_replays_without_recapture(hf_models):

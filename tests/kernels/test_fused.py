@@ -1,4 +1,4 @@
-"""Fused norm / rotary / SiLU-and-mul kernels against their torch references (float32 and float16)."""
+"""Fused norm / rotary + K/V write / SiLU-and-mul kernels against their torch references (float32 and float16)."""
 from __future__ import annotations
 
 import os
@@ -45,21 +45,39 @@ def test_rms_norm_per_head_on_a_strided_view(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_heads, k_heads, dim", [(4, 2, 32), (8, 8, 24), (6, 1, 40)])
-def test_rotary_in_place_on_strided_q_and_k(dtype, q_heads, k_heads, dim):
-    tokens = 5
+def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim):
+    """q and k rotated in place on strided views of a fused qkv row; rotated k and v written to their slots,
+    padding slots (-1) skipped and the rest of the pool untouched."""
+    tokens, block_size, num_blocks = 5, 4, 3
     qkv = rand(tokens, (q_heads + 2 * k_heads) * dim, dtype=dtype)
     theta = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = torch.outer(torch.arange(64).float(), theta)
     emb = torch.cat([freqs, freqs], -1)
     cos, sin = emb.cos().to(dtype=dtype, device=DEVICE), emb.sin().to(dtype=dtype, device=DEVICE)
     positions = torch.tensor([0, 3, 17, 63, 5], device=DEVICE)
-    ours, ref = qkv.clone(), qkv.clone()
-    for t in (ours, ref):
+    slots = torch.tensor([7, -1, 0, 11, 2], device=DEVICE)
+    pool = rand(2, num_blocks, block_size, k_heads, dim, dtype=dtype, seed=4)
+    runs = {}
+    for name in ("ours", "ref"):
+        t, (k_cache, v_cache) = qkv.clone(), pool.clone()
         q = t[:, :q_heads * dim].view(tokens, q_heads, dim)
         k = t[:, q_heads * dim:(q_heads + k_heads) * dim].view(tokens, k_heads, dim)
-        (fused.rotary if t is ours else reference.rotary)(positions, q, k, cos, sin)
-    torch.testing.assert_close(ours, ref, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
-    assert not torch.equal(ours, qkv)
+        v = t[:, (q_heads + k_heads) * dim:].view(tokens, k_heads, dim)
+        if name == "ours":
+            fused.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
+        else:
+            reference.rotary(positions, q, k, cos, sin)
+            keep = slots >= 0
+            reference.store_kv(k[keep], v[keep], k_cache, v_cache, slots[keep])
+        runs[name] = (t, k_cache, v_cache)
+    for ours, ref in zip(runs["ours"], runs["ref"]):
+        torch.testing.assert_close(ours, ref, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+    assert not torch.equal(runs["ours"][0], qkv)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[[7, 0, 11, 2]] = True
+    for cache, before in zip(runs["ours"][1:], pool):
+        changed = (cache != before).view(num_blocks * block_size, -1).any(dim=1).cpu()
+        assert torch.equal(changed, written)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

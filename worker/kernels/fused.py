@@ -1,4 +1,5 @@
-"""Fused elementwise kernels of the decoder layer: RMSNorm (with the residual add), rotary, SiLU-and-mul.
+"""Fused elementwise kernels of the decoder layer: RMSNorm (with the residual add), rotary with the K/V
+write into the paged pool, SiLU-and-mul.
 
 Each replaces a chain of small torch ops with one launch; at decode batch sizes the step is bound by
 launch count as much as by bytes, so these matter inside CUDA graphs. Rounding follows the torch
@@ -53,6 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 @triton.jit
 def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, BLOCK_HALF: tl.constexpr,
                   BLOCK_H: tl.constexpr):
+    """Rotate every head of token t in place; returns the rotated halves ([BLOCK_H, BLOCK_HALF] each)."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     offs = tl.arange(0, BLOCK_HALF)[None, :]
     ptrs = base_ptr + t.to(tl.int64) * stride_t + heads * stride_h + offs
@@ -60,16 +62,22 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, BLOCK_
     x1 = tl.load(ptrs, mask=mask, other=0.0)
     x2 = tl.load(ptrs + half, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(ptrs, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(ptrs + half, (b * c + a * s).to(x1.dtype), mask=mask)
+    r1, r2 = (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+    tl.store(ptrs, r1, mask=mask)
+    tl.store(ptrs + half, r2, mask=mask)
+    return r1, r2
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_cos, num_q_heads, num_k_heads, half, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Semantics, in place, for every head of token t at position p = pos[t] (rotate-half layout):
-        x1, x2 = x[:half], x[half:]; c, s = cos[p, :half], sin[p, :half]
-        x = [x1*c - x2*s, x2*c + x1*s]   (float32, rounded once)
+def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+                            num_q_heads, num_k_heads, half, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Semantics, for token t at position p = pos[t] with slot = slot[t] (rotate-half layout):
+        for x in every head of q[t] and k[t], in place: x1, x2 = x[:half], x[half:]; c, s = cos[p, :half],
+            sin[p, :half]; x = [x1*c - x2*s, x2*c + x1*s]   (float32, rounded once)
+        if slot >= 0 (negative slots are CUDA-graph padding):
+            k_cache.view(-1, Hk, D)[slot] = k[t] (rotated);  v_cache.view(-1, Hk, D)[slot] = v[t]
+    The caches are contiguous [num_blocks, block_size, Hk, D].
     """
     t = tl.program_id(0)
     p = tl.load(pos_ptr + t).to(tl.int64)
@@ -77,18 +85,40 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh
     c = tl.load(cos_ptr + p * stride_cos + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + p * stride_cos + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, half, BLOCK_HALF, BLOCK_H)
-    _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, half, BLOCK_HALF, BLOCK_H)
+    k1, k2 = _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, half, BLOCK_HALF, BLOCK_H)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        cols = offs[None, :]
+        mask = (heads < num_k_heads) & (cols < half)
+        row = slot * num_k_heads * 2 * half + heads * 2 * half + cols    # (slot, head, col) in the caches
+        tl.store(k_cache_ptr + row, k1, mask=mask)
+        tl.store(k_cache_ptr + row + half, k2, mask=mask)
+        v_ptrs = v_ptr + t.to(tl.int64) * stride_vt + heads * stride_vh + cols
+        tl.store(v_cache_ptr + row, tl.load(v_ptrs, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + row + half, tl.load(v_ptrs + half, mask=mask), mask=mask)
 
 
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, Hq, D] and k [T, Hk, D] in place; cos, sin: [max_positions, D] (halves repeated)."""
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    in one launch: a decode layer's rotary and K/V write cost one kernel instead of two.
+
+    q: [T, Hq, D], k, v: [T, Hk, D] (head_dim contiguous, any token/head strides); k_cache, v_cache:
+    contiguous [num_blocks, block_size, Hk, D]; slot_mapping: [T], negative entries are skipped.
+    """
     num_tokens, num_q_heads, dim = q.shape
-    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0
+    num_k_heads = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (num_k_heads, dim)
+    assert k_cache.dtype == k.dtype == v.dtype
     if num_tokens:
-        _rotary_kernel[(num_tokens,)](
-            q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            num_q_heads, k.shape[1], dim // 2, BLOCK_HALF=triton.next_power_of_2(dim // 2),
-            BLOCK_H=triton.next_power_of_2(max(num_q_heads, k.shape[1])), num_warps=4)
+        _rotary_store_kv_kernel[(num_tokens,)](
+            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), cos.stride(0), num_q_heads, num_k_heads, dim // 2,
+            BLOCK_HALF=triton.next_power_of_2(dim // 2),
+            BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4)
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""Paged attention over the KV pool: writes the step's K/V, then attends (prefill, extend, decode alike)."""
+"""Paged attention over the KV pool: rotates q and k, writes the step's K/V, then attends (prefill, extend and
+decode alike)."""
 from __future__ import annotations
 
 import torch
@@ -6,23 +7,28 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kernels import reference
+from worker.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.rotary = rotary
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; q and k rotated in place
         k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
         if q.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
             from worker.kernels import attention as kernels
-            kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            from worker.kernels.fused import rotary_store_kv
+            rotary_store_kv(batch.positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
+                            batch.slot_mapping)
             return kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                            batch.seq_lens, self.scale, batch.num_seqs, batch.max_query_len)
+        self.rotary(batch.positions, q, k)
         reference.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,
                                          batch.seq_lens_host, self.scale)

@@ -22,6 +22,7 @@ class LoRAWeights:
     b: torch.Tensor            # [num_slots, out_features, R]
     scalings: torch.Tensor     # [num_slots, num_slices] float32
     slice_offsets: tuple[int, ...]   # [num_slices + 1]; host ints the kernels compile in
+    shrink_stream: "torch.cuda.Stream | None" = None   # the shrink runs here, beside the base GEMM
 
     @property
     def num_slices(self) -> int:
@@ -54,22 +55,36 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
+        if self.lora is None or lora_info is None or lora_info.max_rank == 0:
+            return F.linear(x, self.weight, self.bias)
+        if x.is_cuda:
+            return self._forward_lora_cuda(x, lora_info)
         y = F.linear(x, self.weight, self.bias)
-        if self.lora is not None and lora_info is not None and lora_info.max_rank > 0:
-            self._add_lora(x, y, lora_info)
-        return y
-
-    def _add_lora(self, x: torch.Tensor, y: torch.Tensor, info: LoRABatchInfo) -> None:
-        w = self.lora
-        if x.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
-            from worker.kernels.lora_expand import lora_expand
-            from worker.kernels.lora_shrink import lora_shrink
-            xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
-                             info.num_segments, info.max_seg_len)
-            lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                        w.slice_offsets, info.num_segments, info.max_seg_len)
-            return
+        w, info = self.lora, lora_info
         xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
                                    info.ranks_host, w.num_slices)
         reference.lora_expand(y, xa, w.b, info.seg_indptr_host, info.weight_indices_host,
                               info.ranks_host, w.scalings, w.slice_offsets)
+        return y
+
+    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+        """The base GEMM and the LoRA shrink both read only x: the shrink runs on the side stream while the
+        GEMM runs (at decode sizes it is launch-bound, so it hides behind the GEMM), then the expand adds into
+        y. Stream order makes the buffers safe: the side stream starts after everything already queued here,
+        so the next shrink cannot overwrite an xa an earlier expand still reads, and this stream waits for
+        the shrink before anything after it can reuse x. Inside graph capture the fork and join are edges."""
+        from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
+        from worker.kernels.lora_shrink import lora_shrink
+        w = self.lora
+        side = w.shrink_stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):       # None: in line, on the current stream
+            xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
+                             info.num_segments, info.max_seg_len)
+        y = F.linear(x, self.weight, self.bias)
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                    w.slice_offsets, info.num_segments, info.max_seg_len)
+        return y

@@ -46,9 +46,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] in place."""
-        if q.is_cuda:   # Triton kernel; imported here so CPU-only installs need no triton
-            from worker.kernels import fused
-            fused.rotary(positions, q, k, self.cos, self.sin)
-        else:
-            reference.rotary(positions, q, k, self.cos, self.sin)
+        """Rotate q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] in place
+        (the torch path; on CUDA, Attention fuses the rotation into the K/V write, kernels/fused.py)."""
+        reference.rotary(positions, q, k, self.cos, self.sin)

@@ -142,14 +142,17 @@ class SlotLoad:
 
 class GPULoRAPool:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, side_stream: bool = True):
         self.num_slots, self.max_rank = num_slots, max_rank
         self.layout = SlotLayout(model, max_rank, dtype)
         self.slots = torch.zeros(num_slots, self.layout.num_bytes, dtype=torch.uint8, device=device)
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)   # [num_slots]; 0 = empty
         self.ranks_host = [0] * num_slots
         self.weights = self.layout.views(self.slots)
+        # high priority: the shrink's few blocks go ahead of the base GEMM's when both are ready
+        shrink_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" and side_stream else None
         for (layer, name), w in self.weights.items():
+            w.shrink_stream = shrink_stream
             model.projection(layer, name).lora = w
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # adapter copies only
         self._in_flight: list[SlotLoad] = []          # issue order, which is completion order

@@ -57,7 +57,8 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         m = config.model
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, m.seed)
-        self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
+        self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
+                                     side_stream=config.lora.lora_side_stream)
         self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
         sched = config.scheduler
         max_blocks = -(-max_model_len // config.cache.block_size)

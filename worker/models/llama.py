@@ -24,8 +24,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary)
 
     def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> torch.Tensor:
         # x: [num_tokens, hidden]
@@ -37,7 +36,6 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary(batch.positions, q, k)
         out = self.attn(q, k, v, kv_cache, batch)
         return self.o_proj(out.reshape(-1, c.q_size), batch.lora)
 
