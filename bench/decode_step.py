@@ -93,6 +93,7 @@ def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
     runner = engine.runner.graph_runner
     bucket = next(b for b in runner.buckets if b >= batch)
     graph, _ = runner.graphs[(bucket, lora)]
+    torch.cuda.synchronize()     # an error of the engine's last (launched, never waited) step surfaces here
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
