@@ -21,6 +21,11 @@ def rand(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
 
 
+def with_delta(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """What a LoRA expand would have left in x: round(x + delta), delta float32."""
+    return (x.float() + delta).to(x.dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens, dim", [(1, 64), (5, 96), (3, 128)])
 def test_rms_norm_with_and_without_residual(dtype, tokens, dim):
@@ -35,6 +40,21 @@ def test_rms_norm_with_and_without_residual(dtype, tokens, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_adds_a_deferred_lora_delta_first(dtype, residual):
+    x, w = rand(4, 96, dtype=dtype), rand(96, dtype=dtype, seed=1)
+    delta = rand(4, 96, dtype=torch.float32, seed=5)
+    res_a, res_b = (rand(4, 96, dtype=dtype, seed=2), rand(4, 96, dtype=dtype, seed=2)) if residual else (None, None)
+    out = fused.rms_norm(x, w, 1e-6, residual=res_a, delta=delta)
+    ref = reference.rms_norm(with_delta(x, delta), w, 1e-6, residual=res_b)
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    if residual:
+        torch.testing.assert_close(res_a, res_b, atol=TOL[dtype], rtol=TOL[dtype])
+    else:   # the delta is not lost in the norm: without it the result differs
+        assert not torch.allclose(out, fused.rms_norm(x, w, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_per_head_on_a_strided_view(dtype):
     qkv = rand(4, 3 * 4 * 32, dtype=dtype)
     q = qkv[:, :4 * 32].view(4, 4, 32)              # rows strided by the fused width
@@ -45,9 +65,11 @@ def test_rms_norm_per_head_on_a_strided_view(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_heads, k_heads, dim", [(4, 2, 32), (8, 8, 24), (6, 1, 40)])
-def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim):
+@pytest.mark.parametrize("deferred", [False, True], ids=["plain", "with-delta"])
+def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim, deferred):
     """q and k rotated in place on strided views of a fused qkv row; rotated k and v written to their slots,
-    padding slots (-1) skipped and the rest of the pool untouched."""
+    padding slots (-1) skipped and the rest of the pool untouched. With a deferred LoRA delta, the same as
+    adding it to the qkv row first."""
     tokens, block_size, num_blocks = 5, 4, 3
     qkv = rand(tokens, (q_heads + 2 * k_heads) * dim, dtype=dtype)
     theta = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
@@ -57,20 +79,26 @@ def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim)
     positions = torch.tensor([0, 3, 17, 63, 5], device=DEVICE)
     slots = torch.tensor([7, -1, 0, 11, 2], device=DEVICE)
     pool = rand(2, num_blocks, block_size, k_heads, dim, dtype=dtype, seed=4)
+    delta = rand(*qkv.shape, dtype=torch.float32, seed=6) if deferred else None
     runs = {}
     for name in ("ours", "ref"):
         t, (k_cache, v_cache) = qkv.clone(), pool.clone()
+        if name == "ref" and deferred:
+            t = with_delta(t, delta)
         q = t[:, :q_heads * dim].view(tokens, q_heads, dim)
         k = t[:, q_heads * dim:(q_heads + k_heads) * dim].view(tokens, k_heads, dim)
         v = t[:, (q_heads + k_heads) * dim:].view(tokens, k_heads, dim)
         if name == "ours":
-            fused.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
+            fused.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots, delta)
         else:
             reference.rotary(positions, q, k, cos, sin)
             keep = slots >= 0
             reference.store_kv(k[keep], v[keep], k_cache, v_cache, slots[keep])
         runs[name] = (t, k_cache, v_cache)
-    for ours, ref in zip(runs["ours"], runs["ref"]):
+    q_and_k = slice(0, (q_heads + k_heads) * dim)     # v's delta reaches only the cache
+    torch.testing.assert_close(runs["ours"][0][:, q_and_k], runs["ref"][0][:, q_and_k], atol=2 * TOL[dtype],
+                               rtol=2 * TOL[dtype])
+    for ours, ref in zip(runs["ours"][1:], runs["ref"][1:]):
         torch.testing.assert_close(ours, ref, atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
     assert not torch.equal(runs["ours"][0], qkv)
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
@@ -85,3 +113,6 @@ def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim)
 def test_silu_and_mul(dtype, tokens, inter):
     x = rand(tokens, 2 * inter, dtype=dtype)
     torch.testing.assert_close(fused.silu_and_mul(x), reference.silu_and_mul(x), atol=TOL[dtype], rtol=TOL[dtype])
+    delta = rand(tokens, 2 * inter, dtype=torch.float32, seed=7)
+    torch.testing.assert_close(fused.silu_and_mul(x, delta), reference.silu_and_mul(with_delta(x, delta)),
+                               atol=TOL[dtype], rtol=TOL[dtype])

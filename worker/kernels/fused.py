@@ -4,6 +4,11 @@ write into the paged pool, SiLU-and-mul.
 Each replaces a chain of small torch ops with one launch; at decode batch sizes the step is bound by
 launch count as much as by bytes, so these matter inside CUDA graphs. Rounding follows the torch
 reference in reference.py: values are rounded to the activation dtype where the reference rounds.
+
+Each also takes an optional `delta`: a projection's LoRA output still to be added to its input (float32,
+[T, width of that input], contiguous rows), computed beside the projection's GEMM on another stream
+(layers/linear.py). The kernel first forms round(x + delta), exactly what the LoRA expand would have
+written into x, so a deferred delta changes no result; it saves the expand's launch on the critical path.
 """
 from __future__ import annotations
 
@@ -13,9 +18,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_heads, stride_xt, stride_xh, stride_rt, stride_ot,
-                     stride_oh, dim, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, delta_ptr, num_heads, stride_xt, stride_xh, stride_rt,
+                     stride_ot, stride_oh, stride_dt, dim, eps, HAS_RESIDUAL: tl.constexpr,
+                     HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr):
     """Semantics, for row r = (t, h):
+        if HAS_DELTA: x[t] = round(x[t] + delta[t])  (not written back; 2-D x only)
         if HAS_RESIDUAL: res[t] = x[t] + res[t]  (rounded to x's dtype); v = res[t]   else: v = x[t, h]
         out[t, h] = w * round(v * rsqrt(mean(v^2) + eps))    (the mean in float32)
     """
@@ -24,6 +31,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_heads, stride_xt, strid
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
     x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + t.to(tl.int64) * stride_dt + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d).to(x.dtype)
     if HAS_RESIDUAL:
         r_ptrs = res_ptr + t.to(tl.int64) * stride_rt + offs
         x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
@@ -35,32 +45,42 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, num_heads, stride_xt, strid
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             delta: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x ([T, D] or [T, H, D], any row strides); with `residual` ([T, D],
-    updated in place to x + residual) the norm is taken of that sum. Returns a new contiguous tensor."""
+    updated in place to x + residual) the norm is taken of that sum; `delta` ([T, D] float32, 2-D x only)
+    is added to x first (module docstring). Returns a new contiguous tensor."""
     x3 = x if x.dim() == 3 else x[:, None, :]
     assert x3.stride(2) == 1 and (residual is None or (x.dim() == 2 and residual.stride(1) == 1))
+    assert delta is None or (x.dim() == 2 and delta.shape == x.shape and delta.dtype == torch.float32
+                             and delta.stride(1) == 1)
     num_tokens, num_heads, dim = x3.shape
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     if num_tokens:
         res = residual if residual is not None else x3
+        d = delta if delta is not None else x3
         _rms_norm_kernel[(num_tokens * num_heads,)](
-            x3, res, weight, out, num_heads, x3.stride(0), x3.stride(1), res.stride(0), out.stride(0),
-            out.stride(1), dim, eps, HAS_RESIDUAL=residual is not None,
+            x3, res, weight, out, d, num_heads, x3.stride(0), x3.stride(1), res.stride(0), out.stride(0),
+            out.stride(1), d.stride(0), dim, eps, HAS_RESIDUAL=residual is not None, HAS_DELTA=delta is not None,
             BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if dim >= 2048 else 1)
     return out.view(x.shape)
 
 
 @triton.jit
-def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, BLOCK_HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    """Rotate every head of token t in place; returns the rotated halves ([BLOCK_H, BLOCK_HALF] each)."""
+def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_ptr, HAS_DELTA: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate every head of token t in place (after adding its delta row d_row_ptr[h * 2 * half + col]);
+    returns the rotated halves ([BLOCK_H, BLOCK_HALF] each)."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     offs = tl.arange(0, BLOCK_HALF)[None, :]
     ptrs = base_ptr + t.to(tl.int64) * stride_t + heads * stride_h + offs
     mask = (heads < num_heads) & (offs < half)
     x1 = tl.load(ptrs, mask=mask, other=0.0)
     x2 = tl.load(ptrs + half, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d_ptrs = d_row_ptr + heads * 2 * half + offs
+        x1 = (x1.to(tl.float32) + tl.load(d_ptrs, mask=mask, other=0.0)).to(x1.dtype)
+        x2 = (x2.to(tl.float32) + tl.load(d_ptrs + half, mask=mask, other=0.0)).to(x2.dtype)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     r1, r2 = (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
     tl.store(ptrs, r1, mask=mask)
@@ -70,9 +90,11 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, BLOCK_
 
 @triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                            num_q_heads, num_k_heads, half, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                            delta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+                            stride_dt, num_q_heads, num_k_heads, half, HAS_DELTA: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     """Semantics, for token t at position p = pos[t] with slot = slot[t] (rotate-half layout):
+        if HAS_DELTA: [q[t] | k[t] | v[t]] (heads flattened) = round(that + delta[t]) first
         for x in every head of q[t] and k[t], in place: x1, x2 = x[:half], x[half:]; c, s = cos[p, :half],
             sin[p, :half]; x = [x1*c - x2*s, x2*c + x1*s]   (float32, rounded once)
         if slot >= 0 (negative slots are CUDA-graph padding):
@@ -84,8 +106,12 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
     offs = tl.arange(0, BLOCK_HALF)
     c = tl.load(cos_ptr + p * stride_cos + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + p * stride_cos + offs, mask=offs < half, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, half, BLOCK_HALF, BLOCK_H)
-    k1, k2 = _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, half, BLOCK_HALF, BLOCK_H)
+    d_q = delta_ptr + t.to(tl.int64) * stride_dt          # the delta row: q heads, then k heads, then v heads
+    d_k = d_q + num_q_heads * 2 * half
+    d_v = d_k + num_k_heads * 2 * half
+    _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, half, d_q, HAS_DELTA, BLOCK_HALF, BLOCK_H)
+    k1, k2 = _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, half, d_k, HAS_DELTA, BLOCK_HALF,
+                           BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         heads = tl.arange(0, BLOCK_H)[:, None]
@@ -95,52 +121,71 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
         tl.store(k_cache_ptr + row, k1, mask=mask)
         tl.store(k_cache_ptr + row + half, k2, mask=mask)
         v_ptrs = v_ptr + t.to(tl.int64) * stride_vt + heads * stride_vh + cols
-        tl.store(v_cache_ptr + row, tl.load(v_ptrs, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + row + half, tl.load(v_ptrs + half, mask=mask), mask=mask)
+        v1 = tl.load(v_ptrs, mask=mask)
+        v2 = tl.load(v_ptrs + half, mask=mask)
+        if HAS_DELTA:
+            d_ptrs = d_v + heads * 2 * half + cols
+            v1 = (v1.to(tl.float32) + tl.load(d_ptrs, mask=mask, other=0.0)).to(v1.dtype)
+            v2 = (v2.to(tl.float32) + tl.load(d_ptrs + half, mask=mask, other=0.0)).to(v2.dtype)
+        tl.store(v_cache_ptr + row, v1, mask=mask)
+        tl.store(v_cache_ptr + row + half, v2, mask=mask)
 
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    delta: torch.Tensor | None = None) -> None:
     """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
     in one launch: a decode layer's rotary and K/V write cost one kernel instead of two.
 
     q: [T, Hq, D], k, v: [T, Hk, D] (head_dim contiguous, any token/head strides); k_cache, v_cache:
     contiguous [num_blocks, block_size, Hk, D]; slot_mapping: [T], negative entries are skipped.
+    delta: [T, (Hq + 2 Hk) * D] float32 (module docstring), in q | k | v order; v's part reaches only the cache.
     """
     num_tokens, num_q_heads, dim = q.shape
     num_k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (num_k_heads, dim)
     assert k_cache.dtype == k.dtype == v.dtype
+    assert delta is None or (delta.shape == (num_tokens, (num_q_heads + 2 * num_k_heads) * dim)
+                             and delta.dtype == torch.float32 and delta.stride(1) == 1)
     if num_tokens:
+        d = delta if delta is not None else q
         _rotary_store_kv_kernel[(num_tokens,)](
-            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), cos.stride(0), num_q_heads, num_k_heads, dim // 2,
-            BLOCK_HALF=triton.next_power_of_2(dim // 2),
+            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, d, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), cos.stride(0), d.stride(0), num_q_heads, num_k_heads, dim // 2,
+            HAS_DELTA=delta is not None, BLOCK_HALF=triton.next_power_of_2(dim // 2),
             BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
-    """Semantics: out[t] = round(silu(x[t, :I])) * x[t, I:]   (rounded once more)."""
+def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, stride_xt, stride_ot, stride_dt, inter, HAS_DELTA: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Semantics: if HAS_DELTA: x[t] = round(x[t] + delta[t]) (not written back); then
+    out[t] = round(silu(x[t, :I])) * x[t, I:]   (rounded once more)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     row = x_ptr + t.to(tl.int64) * stride_xt
     g = tl.load(row + offs, mask=mask, other=0.0)
     u = tl.load(row + inter + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d_row = delta_ptr + t.to(tl.int64) * stride_dt
+        g = (g.to(tl.float32) + tl.load(d_row + offs, mask=mask, other=0.0)).to(g.dtype)
+        u = (u.to(tl.float32) + tl.load(d_row + inter + offs, mask=mask, other=0.0)).to(u.dtype)
     g32 = g.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, 2I] (gate | up) -> [T, I]."""
+def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, 2I] (gate | up) -> [T, I]; delta: [T, 2I] float32 (module docstring)."""
     num_tokens, inter = x.shape[0], x.shape[1] // 2
+    assert delta is None or (delta.shape == x.shape and delta.dtype == torch.float32 and delta.stride(1) == 1)
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     if num_tokens:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
-                                                                       BLOCK=block, num_warps=4)
+        d = delta if delta is not None else x
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            x, out, d, x.stride(0), out.stride(0), d.stride(0), inter, HAS_DELTA=delta is not None, BLOCK=block,
+            num_warps=4)
     return out

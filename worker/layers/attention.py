@@ -18,16 +18,18 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                batch: ForwardBatch) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; q and k rotated in place
+                batch: ForwardBatch, qkv_delta: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; q and k rotated in place;
+        # qkv_delta: the qkv projection's LoRA output still to be added (Linear.forward_deferred; CUDA only)
         k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
         if q.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
             from worker.kernels import attention as kernels
             from worker.kernels.fused import rotary_store_kv
             rotary_store_kv(batch.positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
-                            batch.slot_mapping)
+                            batch.slot_mapping, qkv_delta)
             return kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                            batch.seq_lens, self.scale, batch.num_seqs, batch.max_query_len)
+        assert qkv_delta is None, "deferred LoRA deltas exist on CUDA only"
         self.rotary(batch.positions, q, k)
         reference.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,

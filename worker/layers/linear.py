@@ -29,6 +29,11 @@ class LoRAWeights:
         return len(self.slice_offsets) - 1
 
 
+# Most tokens whose LoRA delta forward_deferred() hands to the next kernel (decode batches and CUDA graphs);
+# larger steps add it in place, as the float32 delta would grow with the step.
+MAX_DEFERRED_TOKENS = 256
+
+
 class Linear(nn.Module):
     """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up)."""
 
@@ -66,6 +71,34 @@ class Linear(nn.Module):
         reference.lora_expand(y, xa, w.b, info.seg_indptr_host, info.weight_indices_host,
                               info.ranks_host, w.scalings, w.slice_offsets)
         return y
+
+    def forward_deferred(self, x: torch.Tensor, lora_info: LoRABatchInfo | None) -> tuple[torch.Tensor,
+                                                                                         torch.Tensor | None]:
+        """(y, delta): y = x @ W^T (+ b) and, when the LoRA runs beside the GEMM, its output delta
+        ([num_tokens, out_features] float32) for the next kernel to add (kernels/fused.py: round(y + delta)
+        is what forward() returns). delta is None when forward() applied the LoRA itself: no adapter, the
+        CPU, no side stream, or more tokens than MAX_DEFERRED_TOKENS (prefill: a large float32 delta).
+
+        Shrink and expand both run on the side stream, beside the GEMM; only the join is left on the
+        critical path. delta is allocated there and read here: the caller keeps it until its consumer is
+        queued, and any later allocation on the side stream follows a fork from after that point."""
+        w = self.lora
+        if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.shrink_stream is None
+                or x.shape[0] > MAX_DEFERRED_TOKENS):
+            return self.forward(x, lora_info), None
+        from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
+        from worker.kernels.lora_shrink import lora_shrink
+        info, side = lora_info, w.shrink_stream
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
+                             info.num_segments, info.max_seg_len)
+            delta = torch.zeros(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
+            lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                        w.slice_offsets, info.num_segments, info.max_seg_len)
+        y = F.linear(x, self.weight, self.bias)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        return y, delta
 
     def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         """The base GEMM and the LoRA shrink both read only x: the shrink runs on the side stream while the

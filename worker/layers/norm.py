@@ -13,10 +13,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
         """x: [..., dim]. With `residual` ([num_tokens, dim]), it becomes x + residual in place and the
-        norm is taken of that sum (one launch on the GPU instead of an add and a norm)."""
+        norm is taken of that sum (one launch on the GPU instead of an add and a norm). `delta`: the LoRA
+        output of the projection that made x, still to be added (Linear.forward_deferred; CUDA only)."""
         if x.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
             from worker.kernels import fused
-            return fused.rms_norm(x, self.weight, self.eps, residual)
+            return fused.rms_norm(x, self.weight, self.eps, residual, delta)
+        assert delta is None, "deferred LoRA deltas exist on CUDA only"
         return reference.rms_norm(x, self.weight, self.eps, residual)

@@ -26,18 +26,21 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary)
 
-    def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> torch.Tensor:
-        # x: [num_tokens, hidden]
+    def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [num_tokens, hidden] -> (o_proj output, its deferred LoRA delta or None)."""
         c = self.cfg
-        qkv = self.qkv_proj(x, batch.lora)
+        if self.q_norm is None:     # the qkv LoRA delta is added by the rotary + K/V write kernel
+            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, batch.lora)
+        else:                       # q/k norms come first: the delta is added in place
+            qkv, qkv_delta = self.qkv_proj(x, batch.lora), None
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)        # [num_tokens, num_heads, head_dim]
         k = k.view(-1, c.num_kv_heads, c.head_dim)     # [num_tokens, num_kv_heads, head_dim]
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(q, k, v, kv_cache, batch)
-        return self.o_proj(out.reshape(-1, c.q_size), batch.lora)
+        out = self.attn(q, k, v, kv_cache, batch, qkv_delta)
+        return self.o_proj.forward_deferred(out.reshape(-1, c.q_size), batch.lora)
 
 
 class LlamaMLP(nn.Module):
@@ -47,13 +50,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, [i, i], cfg.mlp_bias, dtype)
         self.down_proj = Linear(i, [cfg.hidden_size], cfg.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, batch.lora)             # [num_tokens, 2 * intermediate]
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [num_tokens, hidden] -> (down_proj output, its deferred LoRA delta or None)."""
+        gate_up, delta = self.gate_up_proj.forward_deferred(x, batch.lora)   # [num_tokens, 2 * intermediate]
         if gate_up.is_cuda:   # Triton kernel; imported here so CPU-only installs need no triton
             from worker.kernels.fused import silu_and_mul
+            act = silu_and_mul(gate_up, delta)
         else:
             from worker.kernels.reference import silu_and_mul
-        return self.down_proj(silu_and_mul(gate_up), batch.lora)
+            act = silu_and_mul(gate_up)
+        return self.down_proj.forward_deferred(act, batch.lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -64,18 +70,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, kv_cache,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: this layer's input delta; residual: the running sum before it (None at layer 0).
-        Returns (the MLP output, the running sum before it); each add is fused into the next norm."""
+    def forward(self, h: torch.Tensor, h_lora: torch.Tensor | None, residual: torch.Tensor | None, kv_cache,
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """h: this layer's input delta, h_lora: the LoRA output still to be added to it (or None);
+        residual: the running sum before it (None at layer 0). Returns (the MLP output, its LoRA output
+        still to be added, the running sum before it); each add is fused into the next norm."""
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
         else:
-            x = self.input_layernorm(h, residual)
-        h = self.self_attn(x, kv_cache, batch)
-        x = self.post_attention_layernorm(h, residual)
-        return self.mlp(x, batch), residual
+            x = self.input_layernorm(h, residual, h_lora)
+        h, h_lora = self.self_attn(x, kv_cache, batch)
+        x = self.post_attention_layernorm(h, residual, h_lora)
+        h, h_lora = self.mlp(x, batch)
+        return h, h_lora, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -105,9 +113,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns logits [num_sampled, vocab] (float32) for batch.logits_indices."""
         h = self.embed_tokens(batch.input_ids)                     # [num_tokens, hidden]
-        residual = None
+        h_lora, residual = None, None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, kv_cache, batch)
+            h, h_lora, residual = layer(h, h_lora, residual, kv_cache, batch)
         rows = batch.logits_indices
-        h = self.norm(h[rows], residual[rows])                     # [num_logits, hidden]
+        h = self.norm(h[rows], residual[rows], None if h_lora is None else h_lora[rows])   # [num_logits, hidden]
         return self.lm_head(h).float()
