@@ -24,7 +24,6 @@ import gc
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -172,8 +171,6 @@ def run_rank(args: argparse.Namespace, arch: ArchConfig, rank: int, tmp: Path) -
     for overlap in (True, False):
         mode = "overlap" if overlap else "blocking"
         engine = build_engine(args, rank, overlap)
-        if args.gil_switch_interval is not None:
-            sys.setswitchinterval(args.gil_switch_interval)     # after the engine, which sets its own
         warm_pinned_memory(engine, args.max_cpu_loras + 2 * args.load_workers + args.max_loras)
         register(engine, names, files)
         warm_up(engine, names, arch.vocab_size, args.prompt_len)
@@ -235,8 +232,6 @@ def main() -> None:
     add("--eager", action="store_true", help="no CUDA graphs")
     add("--no-async-scheduling", action="store_true", help="file each step's tokens before the next schedule")
     add("--resident-streams", type=int, default=4, help="long requests on a resident adapter during the traffic")
-    add("--gil-switch-interval", type=float, default=None,
-        help="seconds; overrides the engine's GIL_SWITCH_INTERVAL_S (Python's default is 0.005)")
     args = parser.parse_args()
     args.patterns = args.patterns.split(",")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep]
-#   [loading] [loading-nostreams] [loading-gil] [serve] [serve-sync] [hf]
+#   [loading] [loading-nostreams] [serve] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -63,11 +63,6 @@ for stage in $stages; do
                --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
                --no-async-scheduling --out "$OUT/lora_loading_nostreams_sync.json" >> "$OUT/loading_nostreams.log" 2>&1 ;;
-    loading-gil)   # the engine's GIL switch interval (0.5 ms) against Python's default 5 ms, zipf at rank 16
-             timeout 150 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 \
-               --out "$OUT/lora_loading_gil.json" > "$OUT/loading_gil.log" 2>&1
-             timeout 150 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --gil-switch-interval 0.005 \
-               --out "$OUT/lora_loading_gil5ms.json" >> "$OUT/loading_gil.log" 2>&1 ;;
   esac
   echo "$stage: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done

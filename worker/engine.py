@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import time
 from collections import Counter
 
@@ -40,9 +39,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "half": torch.float16, "float": torch.float32}
 IDLE_LOAD_WAIT_S = 0.05      # with nothing to run, a step waits this long at most for an adapter load
 LOAD_POLL_S = 0.0005
-# The step loop spends much of a step waiting on the device with the GIL released; the disk-read threads'
-# Python work would keep it for up to Python's default 5 ms each time the loop wants it back.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,7 +86,6 @@ class Engine:
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads", self.arch.architecture,
                     self.device, self.dtype, self.num_kv_blocks,
                     "overlapped" if prefetcher is not None else "blocking")
