@@ -195,6 +195,31 @@ def test_expand_matches_per_token_reference(dtype, widths, scenario):
     assert torch.equal(y[untouched], y0[untouched]), "base-only rows and rows in no segment must be untouched"
 
 
+@pytest.mark.parametrize("scenario", ["decode-distinct-ranks4+16", "decode-graph-padded", "decode-zipf-R128",
+                                      "prefill-zipf-ranks4+16"])
+@pytest.mark.parametrize("widths", SLICE_WIDTHS.values(), ids=SLICE_WIDTHS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_expand_write_mode_writes_the_delta_alone(dtype, widths, scenario):
+    """accumulate=False (the deferred delta of layers/linear.py, float32 y): y = the delta whatever y held,
+    exact zeros on base-only rows; rows in no segment are not written."""
+    gen = torch.Generator().manual_seed(4)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    _, xa, b, scalings = _expand_inputs(batch, widths, gen)
+    xa, b = xa.to(dtype), b.to(dtype)
+    offsets = _offsets(widths)
+    y = torch.full((batch.num_tokens, sum(widths)), float("nan"), device=DEVICE)
+
+    lora_expand(y, xa, b, *batch.device_metadata(), scalings, offsets, batch.num_segments, batch.max_seg_len,
+                accumulate=False)
+
+    expected = _per_token_y(torch.zeros_like(y), xa, b, scalings, batch, offsets)
+    slots = batch.token_slots()
+    expected[[t for t, w in enumerate(slots) if w is None]] = float("nan")
+    _assert_close(y, expected, torch.float32)
+    base_only = [t for t, w in enumerate(slots) if w is not None and w < 0]
+    assert (y[base_only] == 0).all()
+
+
 @pytest.mark.parametrize("widths", SLICE_WIDTHS.values(), ids=SLICE_WIDTHS.keys())
 def test_expand_reads_slice_offsets_from_device_tensor_like_tuple(widths):
     gen = torch.Generator().manual_seed(3)

@@ -9,6 +9,9 @@ Semantics:
     (accumulated in float32, rounded once into y's dtype)
 
 Base-only segments (w = -1) are skipped: y and xa rows are not touched, so xa may hold anything there.
+
+Write mode (accumulate=False): y = the delta instead of y += it, base-only segments' rows = 0, so y may
+start as anything; every row of y must then lie in a segment (the model's batches and graph padding do).
 The grid tiles the whole output row (all slices), so a tile may straddle a slice boundary; each slice
 that meets the tile adds its own columns. Programs of empty segments or tiles past a segment's
 length exit after a few loads; the rank loop stops at the segment's own rank.
@@ -57,7 +60,8 @@ def _lora_expand_kernel(
         y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
         out_dim, stride_ym, stride_xam, stride_bw, stride_bo, stride_sw,
         SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
+        ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_R_HIGH: tl.constexpr):
     # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile];
     # ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by BLOCK_R_HIGH (fewer, wider steps)
     m_tile = tl.program_id(0) // NUM_N_TILES
@@ -68,15 +72,18 @@ def _lora_expand_kernel(
     if m0 >= seg_end:
         return
     w = tl.load(weight_indices_ptr + seg)
-    if w < 0:
-        return
-    rank = tl.load(ranks_ptr + w)
-    b_slot_ptr = b_ptr + w.to(tl.int64) * stride_bw
-
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = offs_m < seg_end
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    mask = mask_m[:, None] & (offs_n < out_dim)[None, :]
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if w < 0:
+        if not ACCUMULATE:
+            tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
+        return
+    rank = tl.load(ranks_ptr + w)
+    b_slot_ptr = b_ptr + w.to(tl.int64) * stride_bw
     for s in tl.static_range(NUM_SLICES):
         lo = _slice_bound(slice_offsets_ptr, SLICE_OFFSETS, s)
         hi = _slice_bound(slice_offsets_ptr, SLICE_OFFSETS, s + 1)
@@ -89,10 +96,9 @@ def _lora_expand_kernel(
                 acc = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, s * MAX_RANK, rank,
                                    stride_xam, stride_bo, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
             delta += acc * tl.load(scalings_ptr + w * stride_sw + s)
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    mask = mask_m[:, None] & (offs_n < out_dim)[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+    if ACCUMULATE:
+        delta += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _config(max_seg_len: int, max_rank: int) -> dict:
@@ -114,8 +120,10 @@ def _config(max_seg_len: int, max_rank: int) -> dict:
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor,
                 weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
-                slice_offsets: Sequence[int] | torch.Tensor, num_segments: int, max_seg_len: int) -> None:
-    """Add every slice's LoRA delta into y in one launch; no host-device sync.
+                slice_offsets: Sequence[int] | torch.Tensor, num_segments: int, max_seg_len: int,
+                accumulate: bool = True) -> None:
+    """Add every slice's LoRA delta into y in one launch (accumulate=False: write it, zeros on base-only
+    rows; module docstring); no host-device sync.
 
     y: [num_tokens, out_dim] (updated in place); xa: [num_tokens, num_slices * R]; b: [num_slots, out_dim, R];
     seg_indptr: [>= num_segments + 1] int32; weight_indices: [>= num_segments] int32 (-1 = base only);
@@ -140,4 +148,4 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
         y, xa, b, seg_indptr, weight_indices, ranks, scalings, offsets_ptr,
         out_dim, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), scalings.stride(0),
         SLICE_OFFSETS=offsets_const, NUM_SLICES=num_slices, MAX_RANK=max_rank,
-        NUM_N_TILES=num_n_tiles, **cfg)
+        NUM_N_TILES=num_n_tiles, ACCUMULATE=accumulate, **cfg)

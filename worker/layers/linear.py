@@ -93,9 +93,9 @@ class Linear(nn.Module):
         with torch.cuda.stream(side):
             xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
                              info.num_segments, info.max_seg_len)
-            delta = torch.zeros(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
+            delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
             lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                        w.slice_offsets, info.num_segments, info.max_seg_len)
+                        w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
         y = F.linear(x, self.weight, self.bias)
         torch.cuda.current_stream(x.device).wait_stream(side)
         return y, delta
