@@ -29,8 +29,8 @@ class LoRAWeights:
         return len(self.slice_offsets) - 1
 
 
-# Most tokens whose LoRA delta forward_deferred() hands to the next kernel (decode batches and CUDA graphs);
-# larger steps add it in place, as the float32 delta would grow with the step.
+# Most tokens of a decode step whose LoRA delta forward_deferred() hands to the next kernel; larger steps add
+# it in place, as the float32 delta grows with the step.
 MAX_DEFERRED_TOKENS = 256
 
 
@@ -76,15 +76,17 @@ class Linear(nn.Module):
                                                                                          torch.Tensor | None]:
         """(y, delta): y = x @ W^T (+ b) and, when the LoRA runs beside the GEMM, its output delta
         ([num_tokens, out_features] float32) for the next kernel to add (kernels/fused.py: round(y + delta)
-        is what forward() returns). delta is None when forward() applied the LoRA itself: no adapter, the
-        CPU, no side stream, or more tokens than MAX_DEFERRED_TOKENS (prefill: a large float32 delta).
+        is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
+        the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
+        large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, or
+        not a decode step.
 
         Shrink and expand both run on the side stream, beside the GEMM; only the join is left on the
         critical path. delta is allocated there and read here: the caller keeps it until its consumer is
         queued, and any later allocation on the side stream follows a fork from after that point."""
         w = self.lora
         if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.shrink_stream is None
-                or x.shape[0] > MAX_DEFERRED_TOKENS):
+                or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS):
             return self.forward(x, lora_info), None
         from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
         from worker.kernels.lora_shrink import lora_shrink
