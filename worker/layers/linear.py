@@ -22,7 +22,7 @@ class LoRAWeights:
     b: torch.Tensor            # [num_slots, out_features, R]
     scalings: torch.Tensor     # [num_slots, num_slices] float32
     slice_offsets: tuple[int, ...]   # [num_slices + 1]; host ints the kernels compile in
-    shrink_stream: "torch.cuda.Stream | None" = None   # the shrink runs here, beside the base GEMM
+    shrink_stream: "torch.cuda.Stream | None" = None   # LoRA work beside the base GEMM runs here
 
     @property
     def num_slices(self) -> int:
@@ -103,9 +103,9 @@ class Linear(nn.Module):
         return y, delta
 
     def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        """The base GEMM and the LoRA shrink both read only x: the shrink runs on the side stream while the
-        GEMM runs (at decode sizes it is launch-bound, so it hides behind the GEMM), then the expand adds into
-        y. Stream order makes the buffers safe: the side stream starts after everything already queued here,
+        """Prefill and mixed steps (decode steps go through forward_deferred). The base GEMM and the LoRA
+        shrink both read only x: the shrink runs on the side stream while the GEMM runs, then the expand adds
+        into y. Stream order makes the buffers safe: the side stream starts after everything already queued here,
         so the next shrink cannot overwrite an xa an earlier expand still reads, and this stream waits for
         the shrink before anything after it can reuse x. Inside graph capture the fork and join are edges."""
         from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
