@@ -7,7 +7,7 @@ in the batch) divided by the device copy bandwidth measured in the same run. Ste
 time of Engine.step() (host work included) and, for graph runs, the replay alone timed with CUDA events.
 --profile adds each kernel's device time per step (torch.profiler), graph and eager. "graphs-sync" runs
 are the same steps with async scheduling off (each step's tokens read back before the next is scheduled);
-"graphs-inline" runs have each LoRA shrink in line on the compute stream instead of beside its base GEMM.
+"graphs-inline" runs have the LoRA kernels in line on the compute stream instead of beside the base GEMMs.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"
         "b32_32lora16": (32, [f"a{i}" for i in range(32)])}
 MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
-             "graphs-inline": ["b1_lora16", "b32_32lora16"]}   # what the shrink's side stream buys
+             "graphs-inline": ["b1_lora16", "b32_32lora16"]}   # what the LoRA side stream buys
 PROFILED = ["b1_base", "b32_32lora16"]
 
 

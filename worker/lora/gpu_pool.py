@@ -149,7 +149,8 @@ class GPULoRAPool:
         self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)   # [num_slots]; 0 = empty
         self.ranks_host = [0] * num_slots
         self.weights = self.layout.views(self.slots)
-        # high priority: the shrink's few blocks go ahead of the base GEMM's when both are ready
+        # LoRA kernels beside the base GEMMs (layers/linear.py); high priority: their few blocks go ahead
+        # of the GEMM's when both are ready
         shrink_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" and side_stream else None
         for (layer, name), w in self.weights.items():
             w.shrink_stream = shrink_stream

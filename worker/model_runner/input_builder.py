@@ -13,6 +13,8 @@ never races the copies of the previous step, which may not have run yet.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from worker.batch import ForwardBatch, LoRABatchInfo, ScheduledBatch
@@ -144,10 +146,7 @@ _ALIGN = 16
 
 
 def _num_bytes(shape: list[int], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def _field_bytes(shape: list[int], dtype: torch.dtype) -> int:
