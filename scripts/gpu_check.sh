@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
-# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep]
+# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv]
 #   [loading] [loading-nostreams] [serve] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
@@ -37,12 +37,16 @@ stages=${*:-tests decode}
 for stage in $stages; do
   start=$(date +%s)
   case $stage in
-    tests)   timeout 540 python3 -m pytest tests/gpu tests/kernels -q -rA -p no:cacheprovider > "$OUT/tests.log" 2>&1 ;;
-    decode)  timeout 300 python3 -m bench.decode_step --profile --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
+    tests)   # TESTS: a narrower selection of test paths (default: all GPU and kernel tests)
+             timeout 540 python3 -m pytest ${TESTS:-tests/gpu tests/kernels} -q -rA -p no:cacheprovider > "$OUT/tests.log" 2>&1 ;;
+    decode)  # DECODE_MODES: a subset of bench.decode_step's modes (default: all)
+             timeout 300 python3 -m bench.decode_step --profile ${DECODE_MODES:+--modes $DECODE_MODES} \
+               --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
     floor)   # the memory floor and graph-mode decode steps only: beside the serving presets in one run
              timeout 120 python3 -m bench.decode_step --modes graphs --out "$OUT/decode_floor.json" > "$OUT/floor.log" 2>&1 ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
+    gemv)    timeout 300 python3 -m bench.kernels_gemv --sweep --out "$OUT/kernels_gemv.json" > "$OUT/gemv.log" 2>&1 ;;
     serve)   failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
              (exit $failed) ;;

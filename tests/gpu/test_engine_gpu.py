@@ -77,13 +77,15 @@ def rel_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager):
-    """Along our 32 greedy tokens per row (mixed batch of base-only rows and three adapters): our bf16 logits
+@pytest.mark.parametrize("num_rows", [len(ROWS), 3], ids=["cublas-batch", "gemv-batch"])
+def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
+    """Along our 32 greedy tokens per row (mixed batch of base-only rows and adapters; at 3 rows the decode
+    projections run the small-batch kernel, kernels/gemv.py, at 7 cuBLAS): our bf16 logits
     are within BF16_ERROR_FACTOR of HF+PEFT bf16's own distance from HF+PEFT fp32 (medians over the steps), and our token equals HF+PEFT
     bf16's argmax at every step whose top-two margin exceeds twice the two errors together."""
-    model_dir = hf_models[arch]
-    tokens, logits = run(make_engine(model_dir, enforce_eager), capture_logits=True)
-    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), ROWS)):
+    model_dir, rows = hf_models[arch], ROWS[:num_rows]
+    tokens, logits = run(make_engine(model_dir, enforce_eager), rows, capture_logits=True)
+    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), rows)):
         ours = torch.stack(logits[f"r{i}"])
         ref32 = hf_teacher_forced(model_dir, prompt, adapter, tokens[f"r{i}"], torch.float32)
         ref16 = hf_teacher_forced(model_dir, prompt, adapter, tokens[f"r{i}"], torch.bfloat16)
@@ -100,9 +102,10 @@ def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager):
               f"clear steps {int(clear.sum())}/{NUM_STEPS}")
 
 
-def test_graphs_and_eager_give_identical_tokens(hf_models):
-    eager, _ = run(make_engine(hf_models["llama"], enforce_eager=True))
-    graphs, _ = run(make_engine(hf_models["llama"], enforce_eager=False))
+@pytest.mark.parametrize("num_rows", [len(ROWS), 3], ids=["cublas-batch", "gemv-batch"])
+def test_graphs_and_eager_give_identical_tokens(hf_models, num_rows):
+    eager, _ = run(make_engine(hf_models["llama"], enforce_eager=True), ROWS[:num_rows])
+    graphs, _ = run(make_engine(hf_models["llama"], enforce_eager=False), ROWS[:num_rows])
     assert eager == graphs
 
 

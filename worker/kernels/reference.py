@@ -115,3 +115,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Semantics: out = silu(x[:, :I]) * x[:, I:] for x: [T, 2I]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: y[m, n] = round(sum_k x[m, k] * weight[n, k] (+ bias[n])), the sum in float32.
+
+    x: [M, K], weight: [N, K], bias: [N] -> y: [M, N] in x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.linear import project
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
@@ -22,6 +24,7 @@ class LMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.gemv_max_rows = 0        # set by the GPU runner, as on Linear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)              # [num_rows, vocab]
+        return project(hidden, self.weight, None, self.gemv_max_rows)      # [num_rows, vocab]

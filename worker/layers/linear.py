@@ -34,6 +34,15 @@ class LoRAWeights:
 MAX_DEFERRED_TOKENS = 256
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_rows: int) -> torch.Tensor:
+    """x @ weight^T (+ bias): on a GPU, at most `gemv_max_rows` rows go through the small-batch kernel
+    (kernels/gemv.py: no split-K, W read once at full bandwidth), everything else through cuBLAS."""
+    if x.is_cuda and 0 < x.shape[0] <= gemv_max_rows and x.stride(1) == 1 and weight.is_contiguous():
+        from worker.kernels.gemv import gemv     # Triton; imported here so CPU installs need none
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up)."""
 
@@ -48,6 +57,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
+        self.gemv_max_rows = 0                 # set by the GPU runner: batches this small skip cuBLAS
 
     def load_shard(self, param: str, shard: int | None, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor into the whole parameter (shard None) or into one output slice."""
@@ -61,7 +71,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
         if self.lora is None or lora_info is None or lora_info.max_rank == 0:
-            return F.linear(x, self.weight, self.bias)
+            return project(x, self.weight, self.bias, self.gemv_max_rows)
         if x.is_cuda:
             return self._forward_lora_cuda(x, lora_info)
         y = F.linear(x, self.weight, self.bias)
@@ -98,7 +108,7 @@ class Linear(nn.Module):
             delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
             lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
                         w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
-        y = F.linear(x, self.weight, self.bias)
+        y = project(x, self.weight, self.bias, self.gemv_max_rows)
         torch.cuda.current_stream(x.device).wait_stream(side)
         return y, delta
 
@@ -117,7 +127,7 @@ class Linear(nn.Module):
         with torch.cuda.stream(side):       # None: in line, on the current stream
             xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
                              info.num_segments, info.max_seg_len)
-        y = F.linear(x, self.weight, self.bias)
+        y = project(x, self.weight, self.bias, self.gemv_max_rows)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,

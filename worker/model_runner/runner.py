@@ -10,6 +10,8 @@ import torch
 
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
+from worker.layers.embedding import LMHead
+from worker.layers.linear import Linear
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool
 from worker.lora.gpu_pool import GPULoRAPool, SlotLoad
@@ -21,6 +23,14 @@ from worker.models.registry import build_model
 from worker.request import Request
 
 logger = logging.getLogger(__name__)
+GEMV_MAX_ROWS = 4     # kernels/gemv.py's MAX_ROWS (not imported: CPU installs have no Triton)
+
+
+def set_gemv_max_rows(model: torch.nn.Module, rows: int) -> None:
+    """Route projections of at most `rows` rows (decode at batch 1-4) to the small-batch kernel."""
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead)):
+            module.gemv_max_rows = rows
 
 
 @dataclass
@@ -57,6 +67,8 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         m = config.model
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, m.seed)
+        if device.type == "cuda" and config.small_batch_gemv:
+            set_gemv_max_rows(self.model, GEMV_MAX_ROWS)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.lora.lora_side_stream)
         self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
