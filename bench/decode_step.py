@@ -202,6 +202,8 @@ def main() -> None:
                 result.update(floor_ms=floor_ms, step_over_floor=result["step_ms_median"] / floor_ms)
                 results["runs"][f"{mode}_{name}"] = result
                 logger.info("%s %s: %s", mode, name, result)
+                if args.out:          # after every run, so a run that dies keeps the figures before it
+                    Path(args.out).write_text(json.dumps({**results, "ratios": ratios(results["runs"])}, indent=2))
             if args.profile and mode in ("graphs", "eager"):
                 for name in PROFILED:
                     results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, *RUNS[name])

@@ -1,6 +1,7 @@
 """GPU micro-benchmark of the small-batch projection kernel (worker/kernels/gemv.py) against cuBLAS.
 
-At Llama-3.1-8B's projection shapes and 1, 2 and 4 rows of x, times F.linear (cuBLAS, as the engine ran
+At Llama-3.1-8B's projection shapes and 1, 2 and 4 rows of x (the engine uses it
+up to runner.GEMV_MAX_ROWS rows), times F.linear (cuBLAS, as the engine ran
 before) and the Triton kernel under its default config and under each candidate config. Each timing is
 one CUDA graph of `--iters` calls that cycle over enough copies of the weight (>= 256 MB in all) that no
 call finds its W in L2, as in a decode step where 16 GB of other weights pass between two uses of one.

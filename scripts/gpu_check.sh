@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
-# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv]
+# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [replay-check]
 #   [loading] [loading-nostreams] [serve] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
@@ -46,6 +46,11 @@ for stage in $stages; do
              timeout 120 python3 -m bench.decode_step --modes graphs --out "$OUT/decode_floor.json" > "$OUT/floor.log" 2>&1 ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
+    replay-check)   # the batch-32, 32-adapter graph replayed back to back, one variant per process
+             for variant in side-stream in-line sync-scheduling; do
+               timeout 150 python3 -m bench.graph_replay_check --variant $variant --out "$OUT/replay_$variant.json" \
+                 >> "$OUT/replay_check.log" 2>&1; echo "replay-check $variant: rc=$?" >> "$OUT/replay_check.log"
+             done ;;
     gemv)    timeout 300 python3 -m bench.kernels_gemv --sweep --out "$OUT/kernels_gemv.json" > "$OUT/gemv.log" 2>&1 ;;
     serve)   failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done

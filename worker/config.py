@@ -68,4 +68,4 @@ class WorkerConfig:
     device: str = "auto"          # auto | cpu | cuda
     enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)
     async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
-    small_batch_gemv: bool = True  # CUDA: projections of <= 4 rows use kernels/gemv.py instead of cuBLAS
+    small_batch_gemv: bool = True  # CUDA: projections of <= 2 rows use kernels/gemv.py instead of cuBLAS

@@ -77,9 +77,9 @@ def rel_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-@pytest.mark.parametrize("num_rows", [len(ROWS), 3], ids=["cublas-batch", "gemv-batch"])
+@pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
 def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
-    """Along our 32 greedy tokens per row (mixed batch of base-only rows and adapters; at 3 rows the decode
+    """Along our 32 greedy tokens per row (mixed batch of base-only rows and adapters; at 2 rows the decode
     projections run the small-batch kernel, kernels/gemv.py, at 7 cuBLAS): our bf16 logits
     are within BF16_ERROR_FACTOR of HF+PEFT bf16's own distance from HF+PEFT fp32 (medians over the steps), and our token equals HF+PEFT
     bf16's argmax at every step whose top-two margin exceeds twice the two errors together."""
@@ -102,7 +102,7 @@ def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
               f"clear steps {int(clear.sum())}/{NUM_STEPS}")
 
 
-@pytest.mark.parametrize("num_rows", [len(ROWS), 3], ids=["cublas-batch", "gemv-batch"])
+@pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
 def test_graphs_and_eager_give_identical_tokens(hf_models, num_rows):
     eager, _ = run(make_engine(hf_models["llama"], enforce_eager=True), ROWS[:num_rows])
     graphs, _ = run(make_engine(hf_models["llama"], enforce_eager=False), ROWS[:num_rows])

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4      # rows of x one launch takes (BLOCK_M <= 4 keeps the float32 products in registers)
+MAX_ROWS = 4      # rows of x one launch takes (the float32 products stay in registers); the engine sends it
+                  # at most 2 (model_runner/runner.py): from 4 rows cuBLAS is faster (H100 sweep, BENCHMARKS.md)
 
 
 @triton.jit
@@ -58,11 +59,15 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
 def config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [num_rows, k] and W [n, k].
 
-    Chosen from bench/kernels_gemv.py's sweep on an H100 at Llama-3.1-8B shapes (BENCHMARKS.md): enough
-    programs to fill every SM several times over, and 4-8 KB of W per program per loop step."""
+    From bench/kernels_gemv.py's sweep on an H100 at Llama-3.1-8B shapes (BENCHMARKS.md): 8-16 KB of W
+    per program per loop step; more output rows per program for long K, fewer for small matrices, so
+    every SM gets several programs."""
     block_m = triton.next_power_of_2(num_rows)
-    block_k = min(512 // block_m, triton.next_power_of_2(k))
-    block_n = 8 if n >= 8192 else 4
+    block_k = min(1024 // block_m, triton.next_power_of_2(k))
+    if block_m > 1:
+        block_n = 4
+    else:
+        block_n = 8 if k > 8192 else 2 if n * k <= 4096 * 4096 else 4
     return block_m, block_n, block_k, 4
 
 

@@ -23,11 +23,11 @@ from worker.models.registry import build_model
 from worker.request import Request
 
 logger = logging.getLogger(__name__)
-GEMV_MAX_ROWS = 4     # kernels/gemv.py's MAX_ROWS (not imported: CPU installs have no Triton)
+GEMV_MAX_ROWS = 2     # batches up to this size use kernels/gemv.py (<= its MAX_ROWS); at 4 cuBLAS is faster
 
 
 def set_gemv_max_rows(model: torch.nn.Module, rows: int) -> None:
-    """Route projections of at most `rows` rows (decode at batch 1-4) to the small-batch kernel."""
+    """Route projections of at most `rows` rows (decode at batch 1-2) to the small-batch kernel."""
     for module in model.modules():
         if isinstance(module, (Linear, LMHead)):
             module.gemv_max_rows = rows

@@ -1,0 +1,95 @@
+"""Diagnose a fault seen twice in bench.decode_step: an illegal memory access while the batch-32,
+32-adapter decode graph was replayed back to back (no input build between replays).
+
+Builds the Llama-3.1-8B-shaped engine (dummy weights), runs decode_step's runs before it on the same
+engine and then the b32_32lora16 decode steps, checks every graph input buffer on the host (ids, positions, slots, block tables, LoRA
+segments, slot ranks) and then replays the graph `--replays` times, synchronising after each, so a fault
+is pinned to one replay. One variant per process (a fault ends the CUDA context):
+
+    python -m bench.graph_replay_check --variant side-stream --out check.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.decode_step import RUNS, build_engine, time_decode
+from bench.make_adapters import make_adapter
+from worker.ipc.messages import SamplingParams
+from worker.models.hf_config import ArchConfig
+
+VARIANTS = {"side-stream": dict(side_stream=True), "in-line": dict(side_stream=False),
+            "sync-scheduling": dict(async_scheduling=False)}
+
+
+def input_report(engine, batch: int) -> dict:
+    """Host copies of what the graph reads, with the bounds each must respect."""
+    d = engine.runner.input_builder.dev
+    pool = engine.runner.lora_pool
+    kv = engine.runner.kv_pool
+    vocab = engine.runner.model.cfg.vocab_size
+    host = {k: v[: batch + 1].cpu().tolist() for k, v in d.items() if k != "block_tables"}
+    tables = d["block_tables"][:batch].cpu()
+    ranks = pool.ranks.cpu().tolist()
+    problems = []
+    if max(host["input_ids"][:batch]) >= vocab or min(host["input_ids"][:batch]) < 0:
+        problems.append("input id out of range")
+    if max(tables.max().item(), 0) >= kv.num_blocks:
+        problems.append("block table entry past the pool")
+    if max(host["slot_mapping"][:batch]) >= kv.num_blocks * engine.runner.kv_pool.block_size:
+        problems.append("slot past the pool")
+    if host["seg_indptr"][:batch + 1] != list(range(batch + 1)):
+        problems.append("segments are not one per sequence")
+    weights = host["weight_indices"][:batch]
+    if any(w >= pool.num_slots for w in weights) or any(w >= 0 and ranks[w] <= 0 for w in weights):
+        problems.append("segment names an empty or missing slot")
+    if any(r > pool.max_rank for r in ranks):
+        problems.append("slot rank above the slot size")
+    return {"problems": problems, "weight_indices": weights, "ranks": ranks,
+            "positions_max": max(host["positions"][:batch]), "seq_lens": host["seq_lens"][:batch],
+            "ranks_host": list(pool.ranks_host)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench/configs/llama-3.1-8b")
+    parser.add_argument("--variant", choices=list(VARIANTS), default="side-stream")
+    parser.add_argument("--steps", type=int, default=55)
+    parser.add_argument("--replays", type=int, default=300)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    arch = ArchConfig.from_dir(args.model)
+    result: dict = {"variant": args.variant}
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = build_engine(args.model, 32, 32, eager=False, **VARIANTS[args.variant])
+        for i in range(32):
+            engine.add_adapter(f"a{i}", str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")))
+        for name in ("b1_base", "b32_base", "b1_lora16"):      # what decode_step runs before, on the same engine
+            time_decode(engine, *RUNS[name], steps=args.steps - 5)
+        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
+        for i in range(32):
+            engine.add_request(f"b{i}", list(range(100, 228)), params, f"a{i}")
+        for step in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        result["steps_ok"] = args.steps
+        result["inputs"] = input_report(engine, 32)
+        out.write_text(json.dumps(result, indent=1))
+        graph, _ = engine.runner.graph_runner.graphs[(32, True)]
+        for replay in range(args.replays):
+            result["replays_started"] = replay + 1
+            out.write_text(json.dumps(result, indent=1))
+            graph.replay()
+            torch.cuda.synchronize()
+        result["replays_ok"] = args.replays
+        out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
