@@ -36,8 +36,9 @@ class LoRAConfig:
     lora_eviction_policy: str = "lru"         # lru | fifo, among GPU slots no running request uses
     lora_dirs: tuple[str, ...] = ()           # roots where an unknown adapter name is looked up on first use
     lora_load_workers: int = 2                # threads reading adapters from disk into the host cache
-    lora_side_stream: bool = True             # CUDA: each LoRA shrink runs on a second stream beside its
-                                              # base GEMM (False: in line; kept for side-by-side benchmarks)
+    lora_side_stream: bool = True             # CUDA: each LoRA shrink (and in decode steps the expand) runs on
+                                              # a second stream beside its base GEMM (False: in line; kept for
+                                              # side-by-side benchmarks)
 
     def find_adapter_dir(self, name: str) -> str | None:
         """The directory `root/name` holding adapter_config.json under the first root that has one;

@@ -18,6 +18,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _plus_delta(x, d_ptrs, mask):
+    """round(x + delta): what the LoRA expand would have written into x (module docstring)."""
+    return (x.to(tl.float32) + tl.load(d_ptrs, mask=mask, other=0.0)).to(x.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, delta_ptr, num_heads, stride_xt, stride_xh, stride_rt,
                      stride_ot, stride_oh, stride_dt, dim, eps, HAS_RESIDUAL: tl.constexpr,
                      HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -32,8 +38,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, delta_ptr, num_heads, strid
     mask = offs < dim
     x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + offs, mask=mask, other=0.0)
     if HAS_DELTA:
-        d = tl.load(delta_ptr + t.to(tl.int64) * stride_dt + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + d).to(x.dtype)
+        x = _plus_delta(x, delta_ptr + t.to(tl.int64) * stride_dt + offs, mask)
     if HAS_RESIDUAL:
         r_ptrs = res_ptr + t.to(tl.int64) * stride_rt + offs
         x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
@@ -79,8 +84,7 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_
     x2 = tl.load(ptrs + half, mask=mask, other=0.0)
     if HAS_DELTA:
         d_ptrs = d_row_ptr + heads * 2 * half + offs
-        x1 = (x1.to(tl.float32) + tl.load(d_ptrs, mask=mask, other=0.0)).to(x1.dtype)
-        x2 = (x2.to(tl.float32) + tl.load(d_ptrs + half, mask=mask, other=0.0)).to(x2.dtype)
+        x1, x2 = _plus_delta(x1, d_ptrs, mask), _plus_delta(x2, d_ptrs + half, mask)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     r1, r2 = (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
     tl.store(ptrs, r1, mask=mask)
@@ -125,8 +129,7 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
         v2 = tl.load(v_ptrs + half, mask=mask)
         if HAS_DELTA:
             d_ptrs = d_v + heads * 2 * half + cols
-            v1 = (v1.to(tl.float32) + tl.load(d_ptrs, mask=mask, other=0.0)).to(v1.dtype)
-            v2 = (v2.to(tl.float32) + tl.load(d_ptrs + half, mask=mask, other=0.0)).to(v2.dtype)
+            v1, v2 = _plus_delta(v1, d_ptrs, mask), _plus_delta(v2, d_ptrs + half, mask)
         tl.store(v_cache_ptr + row, v1, mask=mask)
         tl.store(v_cache_ptr + row + half, v2, mask=mask)
 
@@ -170,8 +173,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, stride_xt, stride_ot, stride
     u = tl.load(row + inter + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         d_row = delta_ptr + t.to(tl.int64) * stride_dt
-        g = (g.to(tl.float32) + tl.load(d_row + offs, mask=mask, other=0.0)).to(g.dtype)
-        u = (u.to(tl.float32) + tl.load(d_row + inter + offs, mask=mask, other=0.0)).to(u.dtype)
+        g, u = _plus_delta(g, d_row + offs, mask), _plus_delta(u, d_row + inter + offs, mask)
     g32 = g.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, (act * u.to(tl.float32)).to(g.dtype), mask=mask)

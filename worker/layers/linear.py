@@ -22,7 +22,7 @@ class LoRAWeights:
     b: torch.Tensor            # [num_slots, out_features, R]
     scalings: torch.Tensor     # [num_slots, num_slices] float32
     slice_offsets: tuple[int, ...]   # [num_slices + 1]; host ints the kernels compile in
-    shrink_stream: "torch.cuda.Stream | None" = None   # LoRA work beside the base GEMM runs here
+    lora_stream: "torch.cuda.Stream | None" = None   # LoRA work beside the base GEMM runs here
 
     @property
     def num_slices(self) -> int:
@@ -73,7 +73,7 @@ class Linear(nn.Module):
         if self.lora is None or lora_info is None or lora_info.max_rank == 0:
             return project(x, self.weight, self.bias, self.gemv_max_rows)
         if x.is_cuda:
-            return self._forward_lora_cuda(x, lora_info)
+            return self._forward_lora_cuda(x, lora_info, defer=False)[0]
         y = F.linear(x, self.weight, self.bias)
         w, info = self.lora, lora_info
         xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
@@ -89,47 +89,46 @@ class Linear(nn.Module):
         is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
         the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
         large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, or
-        not a decode step.
-
-        Shrink and expand both run on the side stream, beside the GEMM; only the join is left on the
-        critical path. delta is allocated there and read here: the caller keeps it until its consumer is
-        queued, and any later allocation on the side stream follows a fork from after that point."""
+        not a decode step."""
         w = self.lora
-        if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.shrink_stream is None
+        if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.lora_stream is None
                 or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS):
             return self.forward(x, lora_info), None
-        from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
-        from worker.kernels.lora_shrink import lora_shrink
-        info, side = lora_info, w.shrink_stream
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
-                             info.num_segments, info.max_seg_len)
-            delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
-            lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                        w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
-        y = project(x, self.weight, self.bias, self.gemv_max_rows)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        return y, delta
+        return self._forward_lora_cuda(x, lora_info, defer=True)
 
-    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        """Prefill and mixed steps (decode steps go through forward_deferred). The base GEMM and the LoRA
-        shrink both read only x: the shrink runs on the side stream while the GEMM runs, then the expand adds
-        into y. Stream order makes the buffers safe: the side stream starts after everything already queued here,
-        so the next shrink cannot overwrite an xa an earlier expand still reads, and this stream waits for
-        the shrink before anything after it can reuse x. Inside graph capture the fork and join are edges."""
+    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo, defer: bool) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor | None]:
+        """Base GEMM and LoRA on the GPU; returns (y, delta), delta None unless `defer`.
+
+        The base GEMM and the LoRA shrink both read only x, so with a side stream the shrink runs there
+        while the GEMM runs. Deferred (decode steps), the expand runs there too, writing the float32 delta
+        (write mode: zeros on base-only rows), and only the join is left on the critical path; otherwise the
+        expand adds into y after the join. Without a side stream everything runs in line.
+
+        Stream order keeps the buffers safe: the side stream starts after everything already queued here,
+        so a shrink cannot overwrite an xa an earlier expand still reads, and this stream waits for the
+        side stream before anything after it can reuse x. A deferred delta is allocated on the side stream
+        and read here: the caller keeps it until its consumer is queued, and any later allocation on the
+        side stream follows a fork from after that point. Inside graph capture the fork and join are edges."""
         from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
         from worker.kernels.lora_shrink import lora_shrink
         w = self.lora
-        side = w.shrink_stream
+        side = w.lora_stream
+        assert side is not None or not defer
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
+        delta = None
         with torch.cuda.stream(side):       # None: in line, on the current stream
             xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
                              info.num_segments, info.max_seg_len)
+            if defer:
+                delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
+                lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                            w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
         y = project(x, self.weight, self.bias, self.gemv_max_rows)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
-        lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                    w.slice_offsets, info.num_segments, info.max_seg_len)
-        return y
+        if not defer:
+            lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                        w.slice_offsets, info.num_segments, info.max_seg_len)
+        return y, delta

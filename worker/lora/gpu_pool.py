@@ -151,9 +151,9 @@ class GPULoRAPool:
         self.weights = self.layout.views(self.slots)
         # LoRA kernels beside the base GEMMs (layers/linear.py); high priority: their few blocks go ahead
         # of the GEMM's when both are ready
-        shrink_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" and side_stream else None
+        lora_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" and side_stream else None
         for (layer, name), w in self.weights.items():
-            w.shrink_stream = shrink_stream
+            w.lora_stream = lora_stream
             model.projection(layer, name).lora = w
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # adapter copies only
         self._in_flight: list[SlotLoad] = []          # issue order, which is completion order
