@@ -59,7 +59,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
 def config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [num_rows, k] and W [n, k].
 
-    From bench/kernels_gemv.py's sweep on an H100 at Llama-3.1-8B shapes (BENCHMARKS.md): 8-16 KB of W
+    From bench/kernels_gemv.py's sweep on an H100 at Llama-3.1-8B shapes (BENCHMARKS.md): 4-16 KB of W
     per program per loop step; more output rows per program for long K, fewer for small matrices, so
     every SM gets several programs."""
     block_m = triton.next_power_of_2(num_rows)
