@@ -11,7 +11,8 @@ loading and prefetch and against one with blocking loads, each starting with col
 Besides the traffic, `--resident-streams` long requests on one more adapter ("hot") are running when
 the traffic starts and are aborted when it ends: the batch that adapter loads must not stall.
 
-Reported per run: TTFT p50 of all requests; ITL p50 of the resident streams during the traffic (the
+Reported per run: TTFT p50 of all requests (and apart for requests whose adapter was resident at arrival
+and those that had to load it, with the share of it spent queued: arrival to first scheduled step); ITL p50 of the resident streams during the traffic (the
 judged ITL figure) and of the requests whose adapter was loaded on the GPU when they arrived; the host-to-GPU copy bandwidth of adapter loads (bytes over copy time, timed with
 CUDA events on the copy stream); tier counters. `targets` holds the issue's bars: TTFT p50 at least 35%
 lower with overlap, resident-adapter ITL p50 at most 5% worse, copies at 40 GB/s or more. The defaults
@@ -50,10 +51,15 @@ class Timeline:
     arrival: dict[str, float] = field(default_factory=dict)
     resident: dict[str, bool] = field(default_factory=dict)      # its adapter was on the GPU at arrival
     tokens: dict[str, list[float]] = field(default_factory=dict)
+    scheduled: dict[str, float] = field(default_factory=dict)    # first scheduled into a step
     streams: dict[str, list[float]] = field(default_factory=dict)  # resident streams' token times in the traffic
 
     def ttft(self, ids) -> list[float]:
         return [self.tokens[i][0] - self.arrival[i] for i in ids if self.tokens.get(i)]
+
+    def queued(self, ids) -> list[float]:
+        """Arrival to first scheduled, of each request that got a token."""
+        return [self.scheduled[i] - self.arrival[i] for i in ids if self.tokens.get(i)]
 
     def itl(self, ids) -> list[float]:
         return [b - a for i in ids for a, b in zip(self.tokens.get(i, []), self.tokens.get(i, [])[1:])]
@@ -115,6 +121,15 @@ def replay(engine: Engine, workload: Workload, seed: int, streams: int) -> Timel
     stream_ids = start_streams(engine, streams, specs[0].prompt) if streams else []
     start = time.perf_counter()
     finished = 0
+    schedule = engine.scheduler.schedule
+
+    def timed_schedule():
+        batch = schedule()
+        now = time.perf_counter() - start
+        for seq in batch.seqs:
+            timeline.scheduled.setdefault(seq.request.request_id, now)
+        return batch
+    engine.scheduler.schedule = timed_schedule      # an instance attribute over the method, removed below
     while sent < len(specs) or finished < sent:
         now = time.perf_counter() - start
         while sent < len(specs) and due[sent] <= now:
@@ -135,6 +150,7 @@ def replay(engine: Engine, workload: Workload, seed: int, streams: int) -> Timel
                 times = timeline.streams if out.request_id in stream_ids else timeline.tokens
                 times.setdefault(out.request_id, []).append(now)
             finished += out.finish_reason is not None and out.request_id not in stream_ids
+    del engine.scheduler.schedule
     for request_id in stream_ids:
         engine.abort_request(request_id)
     return timeline
@@ -156,6 +172,8 @@ def summarize(timeline: Timeline, before, after) -> dict:
             "ttft_p90_ms": 1e3 * statistics.quantiles(timeline.ttft(ids), n=10)[-1],
             "ttft_p50_resident_ms": 1e3 * statistics.median(timeline.ttft(resident)) if resident else None,
             "ttft_p50_loading_ms": 1e3 * statistics.median(timeline.ttft(loading)) if loading else None,
+            "queued_p50_resident_ms": 1e3 * statistics.median(timeline.queued(resident)) if resident else None,
+            "queued_p50_loading_ms": 1e3 * statistics.median(timeline.queued(loading)) if loading else None,
             "itl_p50_resident_ms": 1e3 * statistics.median(timeline.itl(resident)) if timeline.itl(resident) else None,
             "itl_p50_streams_ms": 1e3 * statistics.median(stream_itl) if stream_itl else None,
             "stream_itl_samples": len(stream_itl),

@@ -54,6 +54,9 @@ def test_replay_times_every_request_and_keeps_streams_apart(tiny, streams):
         assert (result["itl_p50_streams_ms"] is None) == (streams == 0)
         assert result["stream_itl_samples"] == sum(len(t) - 1 for t in timeline.streams.values())
         assert result["requests"] == 12 and result["tiers"]["gpu"]["loads"] >= 2
+        ids = list(timeline.arrival)      # every request was scheduled after it arrived, before its first token
+        assert all(timeline.arrival[i] <= timeline.scheduled[i] <= timeline.tokens[i][0] for i in ids)
+        assert "schedule" not in vars(e.scheduler)          # the bench's timing hook is gone again
     targets = lora_loading.targets(modes)
     assert targets["ttft_p50_reduction"] == pytest.approx(1 - modes["overlap"]["ttft_p50_ms"]
                                                           / modes["blocking"]["ttft_p50_ms"])
