@@ -8,8 +8,7 @@ time of Engine.step() (host work included) and, for graph runs, the replay alone
 --profile adds each kernel's device time per step (torch.profiler), graph and eager. "graphs-sync" runs
 are the same steps with async scheduling off (each step's tokens read back before the next is scheduled);
 "graphs-inline" runs have the LoRA kernels in line on the compute stream instead of beside the base GEMMs;
-"graphs-cublas" runs send batch-1 projections to cuBLAS instead of the small-batch kernel (kernels/gemv.py);
-"graphs-skinny" runs send projections of up to 64 rows to the skinny tensor-core GEMM (kernels/gemv.py).
+"graphs-cublas" runs send batch-1 projections to cuBLAS instead of the small-batch kernel (kernels/gemv.py).
 """
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"
 MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
-             "graphs-cublas": ["b1_base", "b1_lora16"],        # what the small-batch GEMV kernel buys
-             "graphs-skinny": ["b32_base", "b32_32lora16"]}    # projections of <= 64 rows on the skinny GEMM
+             "graphs-cublas": ["b1_base", "b1_lora16"]}        # what the small-batch GEMV kernel buys
 PROFILED = ["b1_base", "b32_32lora16"]
 
 
@@ -60,14 +58,13 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
-                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_rows: int = 0) -> Engine:
+                 side_stream: bool = True, small_batch_gemv: bool = True) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16, lora_side_stream=side_stream),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096),
-        device="cuda", enforce_eager=eager, async_scheduling=async_scheduling, small_batch_gemv=small_batch_gemv,
-        skinny_gemm_max_rows=skinny_rows))
+        device="cuda", enforce_eager=eager, async_scheduling=async_scheduling, small_batch_gemv=small_batch_gemv))
 
 
 def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int, prompt_len: int = 128) -> dict:
@@ -166,11 +163,6 @@ RATIOS = {   # name: (numerator run, its field, denominator run, its field)
     "b1_base_cublas_over_gemv": ("graphs-cublas_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
     "b1_lora16_cublas_over_gemv":
         ("graphs-cublas_b1_lora16", "step_ms_median", "graphs_b1_lora16", "step_ms_median"),
-    "b32_base_skinny_over_cublas": ("graphs-skinny_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
-    "b32_32lora16_skinny_over_cublas":
-        ("graphs-skinny_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
-    "b32_32lora16_skinny_over_floor_with_adapters":
-        ("graphs-skinny_b32_32lora16", "step_ms_median", "graphs-skinny_b32_32lora16", "floor_ms"),
 }
 
 
@@ -197,8 +189,7 @@ def main() -> None:
         for mode in args.modes:
             eager, sync, inline = mode == "eager", mode == "graphs-sync", mode == "graphs-inline"
             engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync, side_stream=not inline,
-                                  small_batch_gemv=mode != "graphs-cublas",
-                                  skinny_rows=64 if mode == "graphs-skinny" else 0)
+                                  small_batch_gemv=mode != "graphs-cublas")
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)

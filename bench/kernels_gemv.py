@@ -1,8 +1,8 @@
-"""GPU micro-benchmark of the small-batch projection kernels (worker/kernels/gemv.py) against cuBLAS.
+"""GPU micro-benchmark of the small-batch projection kernel (worker/kernels/gemv.py) against cuBLAS.
 
-At Llama-3.1-8B's projection shapes, times F.linear (cuBLAS) and the GEMV (1, 2 and 4 rows of x; the engine
-uses it up to runner.GEMV_MAX_ROWS rows) or the skinny tensor-core GEMM (4 to 64 rows), each kernel under
-its default config and, with --sweep, under each candidate config. Each timing is
+At Llama-3.1-8B's projection shapes and 1, 2 and 4 rows of x (the engine uses it
+up to runner.GEMV_MAX_ROWS rows), times F.linear (cuBLAS, as the engine ran
+before) and the Triton kernel under its default config and under each candidate config. Each timing is
 one CUDA graph of `--iters` calls that cycle over enough copies of the weight (>= 256 MB in all) that no
 call finds its W in L2, as in a decode step where 16 GB of other weights pass between two uses of one.
 Bandwidth = bytes of W / time, also given as a share of the device's measured copy bandwidth.
@@ -29,19 +29,13 @@ logger = logging.getLogger(__name__)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}   # launches per Llama-3.1-8B step
-ROWS = (1, 2, 4)                 # GEMV
-SKINNY_ROWS = (4, 8, 16, 32, 64)
+ROWS = (1, 2, 4)
 
 
 def candidates(rows: int) -> list[tuple[int, int, int, int]]:
     block_m = triton_pow2(rows)
     ks = {1: (256, 512, 1024), 2: (128, 256, 512), 4: (128, 256)}[block_m]
     return [(block_m, n, k, w) for n, k, w in itertools.product((2, 4, 8, 16), ks, (4, 8))]
-
-
-def skinny_candidates(rows: int) -> list[tuple[int, int, int, int, int]]:
-    block_m = max(16, triton_pow2(rows))
-    return [(block_m, n, k, 4, stages) for n, k, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
 
 
 def triton_pow2(n: int) -> int:
@@ -69,14 +63,12 @@ def graph_time_us(fns: list[Callable[[], object]], iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float, kernel: str = "gemv") -> dict:
+def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:
     n, k = SHAPES[name]
     w_bytes = n * k * 2
     copies = max(2, -(-(256 << 20) // w_bytes))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    fn, default, configs = ((gemv.gemv, gemv.config(rows, n, k), candidates) if kernel == "gemv" else
-                            (gemv.skinny_gemm, gemv.skinny_config(rows, n, k), skinny_candidates))
 
     def time_of(call) -> float:
         return graph_time_us([lambda w=w: call(w) for w in weights], iters)
@@ -85,31 +77,29 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float, k
         gbps = w_bytes / us / 1e3
         return {"us": round(us, 2), "GBps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)}
 
-    result = {"kernel": kernel, "shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": w_bytes,
+    default = gemv.config(rows, n, k)
+    result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": w_bytes,
               "cublas": entry(time_of(lambda w: F.linear(x, w))),
-              "default_config": list(default), "default": entry(time_of(lambda w: fn(x, w)))}
+              "default_config": list(default), "default": entry(time_of(lambda w: gemv.gemv(x, w)))}
     if sweep:
-        timings = [(cfg, time_of(lambda w, cfg=cfg: fn(x, w, cfg=cfg))) for cfg in configs(rows)]
+        timings = [(cfg, time_of(lambda w, cfg=cfg: gemv.gemv(x, w, cfg=cfg))) for cfg in candidates(rows)]
         best_cfg, best_us = min(timings, key=lambda t: t[1])
         result["best_config"], result["best"] = list(best_cfg), entry(best_us)
         result["sweep"] = [[list(cfg), round(us, 2)] for cfg, us in timings]
     del weights
     torch.cuda.empty_cache()
-    logger.info("%s %s rows=%d: cublas %s, default %s %s, best %s %s", kernel, name, rows, result["cublas"],
+    logger.info("%s rows=%d: cublas %s, default %s %s, best %s %s", name, rows, result["cublas"],
                 default, result["default"], result.get("best_config"), result.get("best"))
     return result
 
 
 def step_totals(results: list[dict]) -> dict:
-    """Per kernel and row count: the projections' time in one Llama-3.1-8B decode step under each variant."""
-    totals: dict = {}
-    for kernel, rows in sorted({(r["kernel"], r["rows"]) for r in results}):
-        sel = [r for r in results if r["rows"] == rows and r["kernel"] == kernel]
-        if len(sel) < len(SHAPES):
-            continue
-        totals[f"{kernel}-{rows}"] = {
-            variant: round(sum(PER_STEP[r["shape"]] * r[variant]["us"] for r in sel) / 1e3, 3)
-            for variant in ("cublas", "default", "best") if all(variant in r for r in sel)}
+    """Per row count: the projections' time in one Llama-3.1-8B decode step under each variant."""
+    totals = {}
+    for rows in ROWS:
+        sel = [r for r in results if r["rows"] == rows]
+        totals[rows] = {variant: round(sum(PER_STEP[r["shape"]] * r[variant]["us"] for r in sel) / 1e3, 3)
+                        for variant in ("cublas", "default", "best") if all(variant in r for r in sel)}
     return totals
 
 
@@ -118,24 +108,21 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file for the results")
     parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
-    parser.add_argument("--kernels", default="gemv,skinny", help="gemv, skinny or both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels_gemv needs a CUDA device")
     copy_gbps = copy_bandwidth() / 1e9
-    results: list[dict] = []
-    payload: dict = {}
-    for kernel in args.kernels.split(","):
-        for rows in ROWS if kernel == "gemv" else SKINNY_ROWS:
-            for name in SHAPES:
-                results.append(run_shape(name, rows, args.iters, args.sweep, copy_gbps, kernel))
-                payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
-                           "results": results, "step_ms": step_totals(results)}
-                with open(args.out, "w") as f:   # rewritten after each shape: a cut-off run keeps what it has
-                    json.dump(payload, f, indent=1)
-    for key, totals in payload["step_ms"].items():
-        print(f"{key} rows: projections per decode step (ms): {totals}")
+    results = []
+    for rows in ROWS:
+        for name in SHAPES:
+            results.append(run_shape(name, rows, args.iters, args.sweep, copy_gbps))
+            payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
+                       "results": results, "step_ms": step_totals(results) if len(results) == 15 else None}
+            with open(args.out, "w") as f:      # rewritten after each shape: a cut-off run keeps what it has
+                json.dump(payload, f, indent=1)
+    for rows, totals in payload["step_ms"].items():
+        print(f"rows={rows}: projections per decode step (ms): {totals}")
 
 
 if __name__ == "__main__":

@@ -70,4 +70,3 @@ class WorkerConfig:
     enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)
     async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
     small_batch_gemv: bool = True  # CUDA: projections of <= 2 rows use kernels/gemv.py instead of cuBLAS
-    skinny_gemm_max_rows: int = 0  # CUDA: projections of up to this many rows (<= 64) use gemv.skinny_gemm

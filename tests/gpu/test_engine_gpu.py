@@ -27,12 +27,11 @@ def prompts() -> list[list[int]]:
 
 
 def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, side_stream: bool = True,
-                skinny_rows: int = 0, **sched) -> Engine:
+                **sched) -> Engine:
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
         lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream), scheduler=SchedulerConfig(max_num_seqs=16, **sched),
-        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-        skinny_gemm_max_rows=skinny_rows))
+        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
     return engine
@@ -78,15 +77,14 @@ def rel_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-@pytest.mark.parametrize("num_rows, skinny_rows", [(len(ROWS), 0), (2, 0), (len(ROWS), 64)],
-                         ids=["cublas-batch", "gemv-batch", "skinny-batch"])
-def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows, skinny_rows):
+@pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
+def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
     """Along our 32 greedy tokens per row (mixed batch of base-only rows and adapters; at 2 rows the decode
-    projections run the GEMV of kernels/gemv.py, at 7 cuBLAS or its skinny GEMM): our bf16 logits
+    projections run the small-batch kernel, kernels/gemv.py, at 7 cuBLAS): our bf16 logits
     are within BF16_ERROR_FACTOR of HF+PEFT bf16's own distance from HF+PEFT fp32 (medians over the steps), and our token equals HF+PEFT
     bf16's argmax at every step whose top-two margin exceeds twice the two errors together."""
     model_dir, rows = hf_models[arch], ROWS[:num_rows]
-    tokens, logits = run(make_engine(model_dir, enforce_eager, skinny_rows=skinny_rows), rows, capture_logits=True)
+    tokens, logits = run(make_engine(model_dir, enforce_eager), rows, capture_logits=True)
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), rows)):
         ours = torch.stack(logits[f"r{i}"])
         ref32 = hf_teacher_forced(model_dir, prompt, adapter, tokens[f"r{i}"], torch.float32)
@@ -104,11 +102,10 @@ def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows, skinny_r
               f"clear steps {int(clear.sum())}/{NUM_STEPS}")
 
 
-@pytest.mark.parametrize("num_rows, skinny_rows", [(len(ROWS), 0), (2, 0), (len(ROWS), 64)],
-                         ids=["cublas-batch", "gemv-batch", "skinny-batch"])
-def test_graphs_and_eager_give_identical_tokens(hf_models, num_rows, skinny_rows):
-    eager, _ = run(make_engine(hf_models["llama"], True, skinny_rows=skinny_rows), ROWS[:num_rows])
-    graphs, _ = run(make_engine(hf_models["llama"], False, skinny_rows=skinny_rows), ROWS[:num_rows])
+@pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
+def test_graphs_and_eager_give_identical_tokens(hf_models, num_rows):
+    eager, _ = run(make_engine(hf_models["llama"], enforce_eager=True), ROWS[:num_rows])
+    graphs, _ = run(make_engine(hf_models["llama"], enforce_eager=False), ROWS[:num_rows])
     assert eager == graphs
 
 

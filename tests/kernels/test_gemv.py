@@ -1,4 +1,4 @@
-"""The small-batch projection kernels (GEMV and skinny GEMM) against the float32 reference (float32 and float16 on CPU; bfloat16 and
+"""The small-batch projection kernel against the float32 reference (float32 and float16 on CPU; bfloat16 and
 Llama-3.1-8B shapes on the GPU), and against cuBLAS's F.linear there."""
 from __future__ import annotations
 
@@ -60,42 +60,5 @@ def test_gemv_llama_shapes_bf16(rows, n, k):
     x, w = rand(rows, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.bfloat16, seed=1)
     exact = x.float() @ w.float().T
     y = gemv.gemv(x, w)
-    assert ((y.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all()
-    torch.testing.assert_close(y, F.linear(x, w), atol=1.6e-2, rtol=1.6e-2)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 40])
-@pytest.mark.parametrize("n, k", [(96, 64), (37, 200)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_skinny_gemm_matches_reference(dtype, rows, n, k, bias):
-    x, w = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, seed=1)
-    b = rand(n, dtype=dtype, seed=2) if bias else None
-    y = gemv.skinny_gemm(x, w, b)
-    assert y.shape == (rows, n) and y.dtype == dtype
-    torch.testing.assert_close(y, reference.linear(x, w, b), atol=TOL[dtype], rtol=TOL[dtype])
-
-
-@pytest.mark.parametrize("cfg", [(16, 16, 32, 4, 2), (32, 64, 64, 4, 3), (64, 32, 16, 2, 1)])
-def test_skinny_gemm_any_config_gives_the_same_result(cfg):
-    rows = min(cfg[0], 20)
-    x, w = rand(rows, 150, dtype=torch.float32), rand(41, 150, dtype=torch.float32, seed=1)
-    torch.testing.assert_close(gemv.skinny_gemm(x, w, cfg=cfg), reference.linear(x, w), atol=1e-5, rtol=1e-5)
-
-
-def test_skinny_gemm_row_strided_input():
-    wide = rand(20, 256, dtype=torch.float32)
-    x, w = wide[:, 64:192], rand(24, 128, dtype=torch.float32, seed=1)
-    torch.testing.assert_close(gemv.skinny_gemm(x, w), reference.linear(x, w), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes in bfloat16 need a GPU")
-@pytest.mark.parametrize("rows", [3, 8, 32, 64])
-@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
-def test_skinny_gemm_llama_shapes_bf16(rows, n, k):
-    """As test_gemv_llama_shapes_bf16, for the tensor-core kernel."""
-    x, w = rand(rows, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.bfloat16, seed=1)
-    exact = x.float() @ w.float().T
-    y = gemv.skinny_gemm(x, w)
     assert ((y.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all()
     torch.testing.assert_close(y, F.linear(x, w), atol=1.6e-2, rtol=1.6e-2)

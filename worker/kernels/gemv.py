@@ -1,4 +1,4 @@
-"""Small-batch projections: y = x @ W^T (+ b) for a few rows of x, reading W once at full bandwidth.
+"""Small-batch projection: y = x @ W^T (+ b) for a few rows of x, reading W once at full bandwidth.
 
 At decode batch sizes a projection is a matrix-vector product bound by the bytes of W. cuBLAS picks
 split-K tiles for the narrow projections there (o_proj, down_proj), which add a reduce launch each, and
@@ -6,10 +6,6 @@ reads the qkv weight at ~80% of the device's copy bandwidth (H100, Llama-3.1-8B 
 This kernel gives each program BLOCK_N whole output rows: it streams those rows of W once, K-contiguous,
 keeps the products in float32 registers and reduces them once at the end, so there is no split-K and no
 second launch. The rows of x (at most MAX_ROWS) are reread from L1/L2 by every program; they are tiny.
-
-skinny_gemm() is the same plan for up to SKINNY_MAX_ROWS rows with tensor cores: each program streams
-BLOCK_N whole rows of W through tl.dot against all rows of x, no split-K. At 8-32 rows cuBLAS's tiles run the
-narrow projections on few CTAs or with split-K; this grid gives every SM several programs.
 
 Rounding: one float32 accumulation per output, the bias added in float32, one rounding to x's dtype, as
 cuBLAS's epilogue does; only the summation order differs.
@@ -20,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-SKINNY_MAX_ROWS = 64   # rows of x one skinny_gemm() launch takes
 MAX_ROWS = 4      # rows of x one launch takes (the float32 products stay in registers); the engine sends it
                   # at most 2 (model_runner/runner.py): from 4 rows cuBLAS is faster (H100 sweep, BENCHMARKS.md)
 
@@ -92,66 +87,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, y, num_rows, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps)
-    return y
-
-
-@triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Semantics: as _gemv_kernel, for M <= BLOCK_M rows with tl.dot (float32 accumulation).
-
-    Grid: cdiv(N, BLOCK_N) programs; program p owns output columns [p*BLOCK_N, (p+1)*BLOCK_N) of every row.
-    """
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]      # [BLOCK_K, BLOCK_N] of W^T
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0, eviction_policy="evict_first")
-        else:
-            k_mask = (k0 + offs_k) < K
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-def skinny_config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for x [num_rows, k] and W [n, k]: enough programs
-    that every SM has several (narrow column blocks for the narrow projections)."""
-    block_m = max(16, triton.next_power_of_2(num_rows))
-    block_n = 16 if n <= 8192 else 64
-    return block_m, block_n, min(128, triton.next_power_of_2(k)), 4, 4
-
-
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                cfg: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x: [M, K] (M <= SKINNY_MAX_ROWS, unit stride along K), weight: [N, K] contiguous, bias: [N] or None
-    -> y: [M, N] in x's dtype. `cfg` overrides skinny_config() (benchmarks)."""
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    assert num_rows <= SKINNY_MAX_ROWS and weight.shape[1] == k and weight.is_contiguous() and x.stride(1) == 1
-    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    if num_rows == 0:
-        return y
-    block_m, block_n, block_k, num_warps, num_stages = cfg or skinny_config(num_rows, n, k)
-    assert block_m >= num_rows
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, num_rows, n, k, x.stride(0), weight.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        num_stages=num_stages)
     return y

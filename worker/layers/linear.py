@@ -34,15 +34,12 @@ class LoRAWeights:
 MAX_DEFERRED_TOKENS = 256
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_rows: int,
-            skinny_max_rows: int = 0) -> torch.Tensor:
-    """x @ weight^T (+ bias): on a GPU, at most `gemv_max_rows` rows go through the GEMV, at most
-    `skinny_max_rows` through the skinny tensor-core GEMM (kernels/gemv.py: no split-K, W read once at full
-    bandwidth), everything else through cuBLAS."""
-    rows = x.shape[0]
-    if x.is_cuda and 0 < rows <= max(gemv_max_rows, skinny_max_rows) and x.stride(1) == 1 and weight.is_contiguous():
-        from worker.kernels import gemv     # Triton; imported here so CPU installs need none
-        return gemv.gemv(x, weight, bias) if rows <= gemv_max_rows else gemv.skinny_gemm(x, weight, bias)
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_rows: int) -> torch.Tensor:
+    """x @ weight^T (+ bias): on a GPU, at most `gemv_max_rows` rows go through the small-batch kernel
+    (kernels/gemv.py: no split-K, W read once at full bandwidth), everything else through cuBLAS."""
+    if x.is_cuda and 0 < x.shape[0] <= gemv_max_rows and x.stride(1) == 1 and weight.is_contiguous():
+        from worker.kernels.gemv import gemv     # Triton; imported here so CPU installs need none
+        return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -61,7 +58,6 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
         self.gemv_max_rows = 0                 # set by the GPU runner: batches this small skip cuBLAS
-        self.skinny_max_rows = 0
 
     def load_shard(self, param: str, shard: int | None, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor into the whole parameter (shard None) or into one output slice."""
@@ -75,7 +71,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
         if self.lora is None or lora_info is None or lora_info.max_rank == 0:
-            return project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows)
+            return project(x, self.weight, self.bias, self.gemv_max_rows)
         if x.is_cuda:
             return self._forward_lora_cuda(x, lora_info, defer=False)[0]
         y = F.linear(x, self.weight, self.bias)
@@ -129,7 +125,7 @@ class Linear(nn.Module):
                 delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
                 lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
                             w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
-        y = project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows)
+        y = project(x, self.weight, self.bias, self.gemv_max_rows)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         if not defer:

@@ -26,12 +26,11 @@ logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 2     # batches up to this size use kernels/gemv.py (<= its MAX_ROWS); at 4 cuBLAS is faster
 
 
-def set_small_batch_rows(model: torch.nn.Module, gemv_rows: int, skinny_rows: int) -> None:
-    """Route projections of at most `gemv_rows` rows (decode at batch 1-2) to the GEMV and of at most
-    `skinny_rows` to the skinny GEMM (kernels/gemv.py); larger ones stay on cuBLAS."""
+def set_gemv_max_rows(model: torch.nn.Module, rows: int) -> None:
+    """Route projections of at most `rows` rows (decode at batch 1-2) to the small-batch kernel."""
     for module in model.modules():
         if isinstance(module, (Linear, LMHead)):
-            module.gemv_max_rows, module.skinny_max_rows = gemv_rows, skinny_rows
+            module.gemv_max_rows = rows
 
 
 @dataclass
@@ -68,9 +67,8 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         m = config.model
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, m.seed)
-        if device.type == "cuda":
-            set_small_batch_rows(self.model, GEMV_MAX_ROWS if config.small_batch_gemv else 0,
-                                 config.skinny_gemm_max_rows)
+        if device.type == "cuda" and config.small_batch_gemv:
+            set_gemv_max_rows(self.model, GEMV_MAX_ROWS)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.lora.lora_side_stream)
         self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
