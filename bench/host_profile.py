@@ -5,7 +5,8 @@ Python-side launch per kernel. This runs `--decoding` requests (each on its own 
 step, adds one new request with a `--prompt-len` prompt (its own adapter too, resident), so every step
 is a mixed prefill + decode step; it reports the steps' wall times and the functions that took the most
 host time (in a second set of such steps: the profiler slows what it watches), against the same number
-of decode-only (graph) steps.
+of decode-only (graph) steps, and mixed steps with the LoRA kernels on the side stream as in graphs
+(`InputBuilder.eager_overlap`; eager steps run them in line).
 
     python -m bench.host_profile --out host_profile.json
 """
@@ -72,6 +73,9 @@ def main() -> None:
             engine.step()
         decode = timed_steps(engine, args.steps, False, args.prompt_len, extra, "x")
         mixed = timed_steps(engine, args.steps, True, args.prompt_len, extra, "m")
+        engine.runner.input_builder.eager_overlap = True        # as before: LoRA on the side stream in eager steps
+        mixed_overlap = timed_steps(engine, args.steps, True, args.prompt_len, extra, "o")
+        engine.runner.input_builder.eager_overlap = False
         profile = cProfile.Profile()        # a second set of mixed steps: cProfile slows what it watches
         profile.enable()
         timed_steps(engine, args.steps, True, args.prompt_len, extra, "p")
@@ -79,6 +83,7 @@ def main() -> None:
         torch.cuda.synchronize()
         results.update(decode_step_ms_median=statistics.median(decode), mixed_step_ms_median=statistics.median(mixed),
                        mixed_step_ms=[round(w, 2) for w in mixed],
+                       mixed_side_stream_step_ms_median=statistics.median(mixed_overlap),
                        top_tottime=top(profile, "tottime", 40), top_cumulative=top(profile, "cumulative", 60))
     text = json.dumps(results, indent=1)
     Path(args.out).write_text(text)

@@ -60,6 +60,10 @@ class LoRABatchInfo:
     ranks: "torch.Tensor"           # [max_loras] int32; rank of the adapter in each slot (0 = empty)
     max_rank: int                   # max over slots used this step (host-side; 0 skips LoRA entirely)
     max_seg_len: int = 0            # longest segment (host-side; sizes the kernels' grids)
+    # LoRA kernels may run on the side stream beside the base GEMMs (layers/linear.py): CUDA-graph batches
+    # only, whose host cost is paid once at capture. Eager steps are bound by the host's launches, and the
+    # fork and join would add to them while saving device time nobody waits for.
+    overlap: bool = False
     # host copies for the reference path, which loops over segments on the CPU
     seg_indptr_host: list[int] = field(default_factory=list)
     weight_indices_host: list[int] = field(default_factory=list)

@@ -118,13 +118,15 @@ def test_async_and_sync_scheduling_give_identical_tokens(hf_models, enforce_eage
     assert overlapped == sync
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_models, enforce_eager):
+@pytest.mark.parametrize("eager_overlap", [False, True], ids=["graphs", "graphs-and-eager"])
+def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_models, eager_overlap):
     """The shrink overlapping the base GEMM on a second stream computes exactly what it does in line: the
-    same kernels on the same inputs, so every logit is bitwise equal (a missing fork or join would race)."""
-    in_line_tokens, in_line = run(make_engine(hf_models["llama"], enforce_eager, side_stream=False),
-                                  capture_logits=True)
-    side_tokens, side = run(make_engine(hf_models["llama"], enforce_eager, side_stream=True), capture_logits=True)
+    same kernels on the same inputs, so every logit is bitwise equal (a missing fork or join would race).
+    The side stream serves CUDA-graph steps; eager_overlap puts the prefill steps there too."""
+    in_line_tokens, in_line = run(make_engine(hf_models["llama"], False, side_stream=False), capture_logits=True)
+    engine = make_engine(hf_models["llama"], False, side_stream=True)
+    engine.runner.input_builder.eager_overlap = eager_overlap
+    side_tokens, side = run(engine, capture_logits=True)
     assert side_tokens == in_line_tokens
     for request_id, rows in in_line.items():
         assert all(torch.equal(a, b) for a, b in zip(side[request_id], rows, strict=True)), request_id

@@ -58,3 +58,13 @@ def test_consecutive_builds_alternate_host_sets_and_keep_device_views():
     assert builder.host is not host_first
     assert first.input_ids.data_ptr() == second.input_ids.data_ptr()      # graph inputs never move
     assert second.input_ids.tolist() == [5, 6]
+
+
+def test_only_graph_shaped_batches_let_lora_overlap_the_base_gemms():
+    """CUDA-graph batches (padded to a bucket) may run LoRA on the side stream; eager steps, bound by host
+    launches, run it in line (LoRABatchInfo.overlap)."""
+    builder = make_builder()
+    decode = ScheduledBatch([seq("a", [5, 6], [7], 2, 1, slot=0), seq("b", [8], [9], 1, 1)])
+    assert builder.build(decode).lora.overlap is False
+    padded = builder.build(decode, pad_to=4)
+    assert padded.lora.overlap is True and padded.lora.weight_indices_host == [0, -1, -1, -1]

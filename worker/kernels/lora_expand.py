@@ -18,6 +18,7 @@ length exit after a few loads; the rank loop stops at the segment's own rank.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -101,6 +102,7 @@ def _lora_expand_kernel(
     tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=None)     # called per launch; eager steps are bound by host time
 def _config(max_seg_len: int, max_rank: int) -> dict:
     """Block sizes tuned on H100 at Llama-8B shapes (`python -m bench.kernels_lora [--sweep]`).
 

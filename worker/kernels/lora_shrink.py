@@ -16,6 +16,8 @@ tiles past the rank store zeros without reading x or a.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -70,6 +72,7 @@ def _lora_shrink_kernel(
     tl.store(xa_ptrs, acc.to(xa_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < MAX_RANK)[None, :])
 
 
+@functools.lru_cache(maxsize=None)     # called per launch; eager steps are bound by host time
 def _config(max_seg_len: int, in_dim: int) -> dict:
     """Block sizes tuned on H100 at Llama-8B shapes (`python -m bench.kernels_lora --sweep`).
 

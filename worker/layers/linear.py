@@ -88,11 +88,11 @@ class Linear(nn.Module):
         ([num_tokens, out_features] float32) for the next kernel to add (kernels/fused.py: round(y + delta)
         is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
         the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
-        large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, or
-        not a decode step."""
+        large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, not a
+        CUDA-graph batch (LoRABatchInfo.overlap) or not a decode step."""
         w = self.lora
         if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.lora_stream is None
-                or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS):
+                or not lora_info.overlap or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS):
             return self.forward(x, lora_info), None
         return self._forward_lora_cuda(x, lora_info, defer=True)
 
@@ -100,8 +100,8 @@ class Linear(nn.Module):
                                                                                            torch.Tensor | None]:
         """Base GEMM and LoRA on the GPU; returns (y, delta), delta None unless `defer`.
 
-        The base GEMM and the LoRA shrink both read only x, so with a side stream the shrink runs there
-        while the GEMM runs. Deferred (decode steps), the expand runs there too, writing the float32 delta
+        The base GEMM and the LoRA shrink both read only x, so with a side stream (CUDA-graph batches only:
+        LoRABatchInfo.overlap) the shrink runs there while the GEMM runs. Deferred (decode steps), the expand runs there too, writing the float32 delta
         (write mode: zeros on base-only rows), and only the join is left on the critical path; otherwise the
         expand adds into y after the join. Without a side stream everything runs in line.
 
@@ -113,7 +113,7 @@ class Linear(nn.Module):
         from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
         from worker.kernels.lora_shrink import lora_shrink
         w = self.lora
-        side = w.lora_stream
+        side = w.lora_stream if info.overlap else None
         assert side is not None or not defer
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))

@@ -41,6 +41,7 @@ class InputBuilder:
         self._dev_buf = _byte_buffer(shapes, device, False)
         self.dev = _field_views(self._dev_buf, shapes)
         self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
+        self.eager_overlap = False        # benchmarks: side-stream LoRA in eager steps too (LoRABatchInfo.overlap)
 
     def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None,
               prev_tokens: torch.Tensor | None = None) -> ForwardBatch:
@@ -136,6 +137,7 @@ class InputBuilder:
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
                              max_rank=max_rank, max_seg_len=max(b - a for a, b in zip(indptr, indptr[1:])),
+                             overlap=pad_to is not None or self.eager_overlap,
                              seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
 
     def _to_device(self) -> None:
