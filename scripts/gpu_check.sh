@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
-# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [replay-check]
+# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [replay-check] [host]
 #   [loading] [loading-nostreams] [serve] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
@@ -51,6 +51,7 @@ for stage in $stages; do
                timeout 150 python3 -m bench.graph_replay_check --variant $variant --out "$OUT/replay_$variant.json" \
                  >> "$OUT/replay_check.log" 2>&1; echo "replay-check $variant: rc=$?" >> "$OUT/replay_check.log"
              done ;;
+    host)    timeout 200 python3 -m bench.host_profile --out "$OUT/host_profile.json" > "$OUT/host_profile.log" 2>&1 ;;
     gemv)    timeout 300 python3 -m bench.kernels_gemv --sweep --out "$OUT/kernels_gemv.json" > "$OUT/gemv.log" 2>&1 ;;
     serve)   failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
