@@ -16,12 +16,12 @@ import argparse
 import itertools
 import json
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from bench.decode_step import copy_bandwidth
+from bench.kernels_lora import graph_time_us
 from worker.kernels import gemv
 
 logger = logging.getLogger(__name__)
@@ -40,27 +40,6 @@ def candidates(rows: int) -> list[tuple[int, int, int, int]]:
 
 def triton_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def graph_time_us(fns: list[Callable[[], object]], iters: int) -> float:
-    """Mean time of one call, `iters` calls cycling over fns, captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()                                       # compile and warm cuBLAS before capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:

@@ -73,17 +73,19 @@ class Result:
     gbps: float
 
 
-def _graph_time_us(fn: Callable[[], None], iters: int) -> float:
-    """Mean time of one fn() call, captured `iters` times in one CUDA graph."""
+def graph_time_us(fns: list[Callable[[], object]], iters: int) -> float:
+    """Mean time of one call, `iters` calls cycling over fns, captured in one CUDA graph (each fn is run
+    once before capture: compiles Triton kernels, warms cuBLAS)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()                                           # compile before capture
+        for fn in fns:
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
+        for i in range(iters):
+            fns[i % len(fns)]()
     graph.replay()                                     # warm-up
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -134,7 +136,7 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> Result:
         shrink()
         expand()
 
-    shrink_us, expand_us, total_us = (_graph_time_us(fn, iters) for fn in (shrink, expand, both))
+    shrink_us, expand_us, total_us = (graph_time_us([fn], iters) for fn in (shrink, expand, both))
     moved = _bytes_moved(case, in_dim, offsets[-1], ns, x.element_size())
     return Result(case.name, tokens, case.num_adapters, case.rank, round(shrink_us, 2), round(expand_us, 2),
                   round(total_us, 2), moved, round(moved / total_us / 1e3, 1))
