@@ -3,8 +3,8 @@
 
 Builds the Llama-3.1-8B-shaped engine (dummy weights), runs decode_step's runs before it on the same
 engine and then the b32_32lora16 decode steps, checks every graph input buffer on the host (ids, positions, slots, block tables, LoRA
-segments, slot ranks) and then replays the graph `--replays` times, synchronising after each, so a fault
-is pinned to one replay. One variant per process (a fault ends the CUDA context):
+segments, slot ranks) and then replays the graph `--replays` times, synchronising after every `--burst`
+replays (1: a fault is pinned to one replay; 51: back to back, as decode_step times them). One variant per process (a fault ends the CUDA context):
 
     python -m bench.graph_replay_check --variant side-stream --out check.json
 """
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--variant", choices=list(VARIANTS), default="side-stream")
     parser.add_argument("--steps", type=int, default=55)
     parser.add_argument("--replays", type=int, default=300)
+    parser.add_argument("--burst", type=int, default=1, help="replays between syncs (decode_step's timing: 51)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     arch = ArchConfig.from_dir(args.model)
@@ -81,12 +82,13 @@ def main() -> None:
         result["inputs"] = input_report(engine, 32)
         out.write_text(json.dumps(result, indent=1))
         graph, _ = engine.runner.graph_runner.graphs[(32, True)]
-        for replay in range(args.replays):
-            result["replays_started"] = replay + 1
+        for burst in range(args.replays // args.burst):
+            result["replays_started"] = (burst + 1) * args.burst
             out.write_text(json.dumps(result, indent=1))
-            graph.replay()
+            for _ in range(args.burst):      # back to back, as decode_step times them; a sync after each burst
+                graph.replay()
             torch.cuda.synchronize()
-        result["replays_ok"] = args.replays
+        result["replays_ok"] = args.replays // args.burst * args.burst
         out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 

@@ -47,9 +47,11 @@ for stage in $stages; do
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
     replay-check)   # the batch-32, 32-adapter graph replayed back to back, one variant per process
-             for variant in side-stream in-line sync-scheduling; do
-               timeout 150 python3 -m bench.graph_replay_check --variant $variant --out "$OUT/replay_$variant.json" \
-                 >> "$OUT/replay_check.log" 2>&1; echo "replay-check $variant: rc=$?" >> "$OUT/replay_check.log"
+             # BURST: replays between syncs (default 1); REPLAY_VARIANTS: which variants, in order
+             for variant in ${REPLAY_VARIANTS:-side-stream in-line sync-scheduling}; do
+               timeout 150 python3 -m bench.graph_replay_check --variant $variant --burst ${BURST:-1} \
+                 --replays ${REPLAYS:-300} --out "$OUT/replay_$variant.json" >> "$OUT/replay_check.log" 2>&1
+               echo "replay-check $variant: rc=$?" | tee -a "$OUT/replay_check.log"
              done ;;
     host)    timeout 200 python3 -m bench.host_profile --out "$OUT/host_profile.json" > "$OUT/host_profile.log" 2>&1 ;;
     gemv)    timeout 300 python3 -m bench.kernels_gemv --sweep --out "$OUT/kernels_gemv.json" > "$OUT/gemv.log" 2>&1 ;;
