@@ -93,6 +93,8 @@ def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
     """GPU time of the decode graph alone (the last step's inputs, replayed), timed with CUDA events:
     the step's wall time minus this is host work and sampling."""
     runner = engine.runner.graph_runner
+    # the last step must have filled every row this graph reads (rows past a smaller batch's bucket are stale)
+    assert len(engine.scheduler.running) == batch, "the last step did not run the whole batch"
     bucket = next(b for b in runner.buckets if b >= batch)
     graph, _ = runner.graphs[(bucket, lora)]
     torch.cuda.synchronize()     # an error of the engine's last (launched, never waited) step surfaces here

@@ -75,9 +75,14 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
         for i in range(32):
             engine.add_request(f"b{i}", list(range(100, 228)), params, f"a{i}")
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
+            engine.step()       # every request admitted (adapter loads) and prefilled, as in time_decode
         for step in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
+        # the graph replayed below reads rows 0-31 of the input buffers: the last step must have built all 32
+        # (a smaller last batch leaves stale rows past its bucket, e.g. block tables of -1 under old lengths)
+        assert len(engine.scheduler.running) == 32, "not all 32 requests are running"
         result["steps_ok"] = args.steps
         result["inputs"] = input_report(engine, 32)
         out.write_text(json.dumps(result, indent=1))

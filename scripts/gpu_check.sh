@@ -48,11 +48,14 @@ for stage in $stages; do
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
     replay-check)   # the batch-32, 32-adapter graph replayed back to back, one variant per process
              # BURST: replays between syncs (default 1); REPLAY_VARIANTS: which variants, in order
+             failed=0
              for variant in ${REPLAY_VARIANTS:-side-stream in-line sync-scheduling}; do
                timeout 150 python3 -m bench.graph_replay_check --variant $variant --burst ${BURST:-1} \
                  --replays ${REPLAYS:-300} --out "$OUT/replay_$variant.json" >> "$OUT/replay_check.log" 2>&1
-               echo "replay-check $variant: rc=$?" | tee -a "$OUT/replay_check.log"
-             done ;;
+               rc=$?; [ $rc -eq 0 ] || failed=1
+               echo "replay-check $variant: rc=$rc" | tee -a "$OUT/replay_check.log"
+             done
+             (exit $failed) ;;
     host)    timeout 200 python3 -m bench.host_profile --out "$OUT/host_profile.json" > "$OUT/host_profile.log" 2>&1 ;;
     gemv)    timeout 300 python3 -m bench.kernels_gemv --sweep --out "$OUT/kernels_gemv.json" > "$OUT/gemv.log" 2>&1 ;;
     serve)   failed=0
