@@ -68,7 +68,10 @@ def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_s
 
 
 def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int, prompt_len: int = 128) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 20, ignore_eos=True)
+    # No request may finish before the timing ends (they are aborted after it): while the last adapters
+    # load, the first requests admitted keep decoding, and a batch that shrank would be timed (and its
+    # graph replayed) with fewer rows than `batch`.
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{i}", list(range(100, 100 + prompt_len)), params, adapters[i % len(adapters)])
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
@@ -80,6 +83,7 @@ def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: i
         t0 = time.perf_counter()
         engine.step()
         wall.append(time.perf_counter() - t0)
+    assert len(engine.scheduler.running) == batch, "a request stopped before the timing ended"
     result = {"batch": batch, "step_ms_median": 1e3 * statistics.median(wall),
               "step_ms_mean": 1e3 * statistics.fmean(wall)}
     if engine.runner.graph_runner is not None:

@@ -1,10 +1,18 @@
-"""Diagnose a fault seen twice in bench.decode_step: an illegal memory access while the batch-32,
+"""Diagnose a fault seen three times in bench.decode_step: an illegal memory access while the batch-32,
 32-adapter decode graph was replayed back to back (no input build between replays).
 
-Builds the Llama-3.1-8B-shaped engine (dummy weights), runs decode_step's runs before it on the same
-engine and then the b32_32lora16 decode steps, checks every graph input buffer on the host (ids, positions, slots, block tables, LoRA
-segments, slot ranks) and then replays the graph `--replays` times, synchronising after every `--burst`
-replays (1: a fault is pinned to one replay; 51: back to back, as decode_step times them). One variant per process (a fault ends the CUDA context):
+Found (run L): decode_step gave its requests max_tokens = steps + 20, so while the last of the 32 adapters
+loaded, the first requests admitted decoded to the end and finished; the last steps ran fewer than 32 rows
+(a smaller graph bucket), and the timing replayed the 32-row graph over input rows no step had rebuilt:
+block tables of -1 (refilled every step) under stale sequence lengths, read at negative offsets into the KV
+cache. The engine never replays a graph without building every row it reads; the benches now keep every
+request running and assert it.
+
+This check builds the Llama-3.1-8B-shaped engine (dummy weights), runs decode_step's runs before it on the
+same engine and then the b32_32lora16 decode steps, checks every graph input buffer on the host (ids,
+positions, slots, block tables, LoRA segments, slot ranks) and replays the graph `--replays` times,
+synchronising after every `--burst` replays (1: a fault is pinned to one replay; 51: back to back, as
+decode_step times them). One variant per process (a fault ends the CUDA context):
 
     python -m bench.graph_replay_check --variant side-stream --out check.json
 """
@@ -72,7 +80,7 @@ def main() -> None:
             engine.add_adapter(f"a{i}", str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")))
         for name in ("b1_base", "b32_base", "b1_lora16"):      # what decode_step runs before, on the same engine
             time_decode(engine, *RUNS[name], steps=args.steps - 5)
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 20, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
         for i in range(32):
             engine.add_request(f"b{i}", list(range(100, 228)), params, f"a{i}")
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
