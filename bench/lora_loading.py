@@ -12,9 +12,10 @@ Besides the traffic, `--resident-streams` long requests on one more adapter ("ho
 the traffic starts and are aborted when it ends: the batch that adapter loads must not stall.
 
 Reported per run: TTFT p50 of all requests (and apart for requests whose adapter was resident at arrival
-and those that had to load it, with the share of it spent queued: arrival to first scheduled step); ITL p50 of the resident streams during the traffic (the
-judged ITL figure) and of the requests whose adapter was loaded on the GPU when they arrived; the host-to-GPU copy bandwidth of adapter loads (bytes over copy time, timed with
-CUDA events on the copy stream); tier counters. `targets` holds the issue's bars: TTFT p50 at least 35%
+and those that had to load it, with the share of it spent queued: arrival to first scheduled step); ITL p50
+of the resident streams during the traffic (the judged ITL figure) and of the requests whose adapter was
+loaded on the GPU when they arrived; the host-to-GPU copy bandwidth of adapter loads (bytes over copy
+time, timed with CUDA events on the copy stream); tier counters. `targets` holds the issue's bars: TTFT p50 at least 35%
 lower with overlap, resident-adapter ITL p50 at most 5% worse, copies at 40 GB/s or more. The defaults
 take about 3 minutes on an H100 (adapter files, four engine builds, twelve runs).
 """

@@ -30,7 +30,8 @@ def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, s
                 **sched) -> Engine:
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
-        lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream), scheduler=SchedulerConfig(max_num_seqs=16, **sched),
+        lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream),
+        scheduler=SchedulerConfig(max_num_seqs=16, **sched),
         device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
@@ -80,9 +81,10 @@ def rel_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
 def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
     """Along our 32 greedy tokens per row (mixed batch of base-only rows and adapters; at 2 rows the decode
-    projections run the small-batch kernel, kernels/gemv.py, at 7 cuBLAS): our bf16 logits
-    are within BF16_ERROR_FACTOR of HF+PEFT bf16's own distance from HF+PEFT fp32 (medians over the steps), and our token equals HF+PEFT
-    bf16's argmax at every step whose top-two margin exceeds twice the two errors together."""
+    projections run the small-batch kernel, kernels/gemv.py, at 7 cuBLAS): our bf16 logits are within
+    BF16_ERROR_FACTOR of HF+PEFT bf16's own distance from HF+PEFT fp32 (medians over the steps), and our
+    token equals HF+PEFT bf16's argmax at every step whose top-two margin exceeds twice the two errors
+    together."""
     model_dir, rows = hf_models[arch], ROWS[:num_rows]
     tokens, logits = run(make_engine(model_dir, enforce_eager), rows, capture_logits=True)
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), rows)):

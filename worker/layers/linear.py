@@ -101,9 +101,10 @@ class Linear(nn.Module):
         """Base GEMM and LoRA on the GPU; returns (y, delta), delta None unless `defer`.
 
         The base GEMM and the LoRA shrink both read only x, so with a side stream (CUDA-graph batches only:
-        LoRABatchInfo.overlap) the shrink runs there while the GEMM runs. Deferred (decode steps), the expand runs there too, writing the float32 delta
-        (write mode: zeros on base-only rows), and only the join is left on the critical path; otherwise the
-        expand adds into y after the join. Without a side stream everything runs in line.
+        LoRABatchInfo.overlap) the shrink runs there while the GEMM runs. Deferred (decode steps), the expand
+        runs there too, writing the float32 delta (write mode: zeros on base-only rows), and only the join is
+        left on the critical path; otherwise the expand adds into y after the join. Without a side stream
+        everything runs in line.
 
         Stream order keeps the buffers safe: the side stream starts after everything already queued here,
         so a shrink cannot overwrite an xa an earlier expand still reads, and this stream waits for the
