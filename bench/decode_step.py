@@ -115,15 +115,18 @@ def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
 def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps: int = 5) -> dict:
     """Device time per step of each kernel (by name) over `steps` decode steps, largest first."""
     from torch.profiler import ProfilerActivity, profile
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{i}", list(range(100, 228)), params, adapters[i % len(adapters)])
-    for _ in range(20):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
+        engine.step()              # every adapter loaded and every prompt in: the profile sees decode steps only
+    for _ in range(5):
         engine.step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    assert len(engine.scheduler.running) == batch, "a request stopped before the profile ended"
     for request_id in list(engine._requests):
         engine.abort_request(request_id)
     per_kernel: dict[str, list[float]] = {}
