@@ -67,17 +67,24 @@ def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_s
         device="cuda", enforce_eager=eager, async_scheduling=async_scheduling, small_batch_gemv=small_batch_gemv))
 
 
-def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int, prompt_len: int = 128) -> dict:
-    # No request may finish before the timing ends (they are aborted after it): while the last adapters
-    # load, the first requests admitted keep decoding, and a batch that shrank would be timed (and its
-    # graph replayed) with fewer rows than `batch`.
+def start_requests(engine: Engine, batch: int, adapters: list[str | None], prefix: str,
+                   prompt_len: int = 128) -> None:
+    """Add `batch` requests (adapters cycled) and step until every one is prefilled, then 5 decode steps.
+
+    No request may finish before the caller is done with it (the caller aborts them): while the last
+    adapters load, the first requests admitted keep decoding, and a batch that shrank would be timed (and
+    its graph replayed) with fewer rows than `batch`."""
     params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"b{i}", list(range(100, 100 + prompt_len)), params, adapters[i % len(adapters)])
+        engine.add_request(f"{prefix}{i}", list(range(100, 100 + prompt_len)), params, adapters[i % len(adapters)])
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
         engine.step()                                  # prefill (and any adapter loads)
     for _ in range(5):
         engine.step()
+
+
+def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> dict:
+    start_requests(engine, batch, adapters, "b")
     wall = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -115,13 +122,7 @@ def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
 def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps: int = 5) -> dict:
     """Device time per step of each kernel (by name) over `steps` decode steps, largest first."""
     from torch.profiler import ProfilerActivity, profile
-    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"p{i}", list(range(100, 228)), params, adapters[i % len(adapters)])
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
-        engine.step()              # every adapter loaded and every prompt in: the profile sees decode steps only
-    for _ in range(5):
-        engine.step()
+    start_requests(engine, batch, adapters, "p")     # the profile sees decode steps only
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_step import RUNS, build_engine, time_decode
+from bench.decode_step import RUNS, build_engine, start_requests, time_decode
 from bench.make_adapters import make_adapter
-from worker.ipc.messages import SamplingParams
 from worker.models.hf_config import ArchConfig
 
 VARIANTS = {"side-stream": dict(side_stream=True), "in-line": dict(side_stream=False),
@@ -80,11 +79,7 @@ def main() -> None:
             engine.add_adapter(f"a{i}", str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")))
         for name in ("b1_base", "b32_base", "b1_lora16"):      # what decode_step runs before, on the same engine
             time_decode(engine, *RUNS[name], steps=args.steps - 5)
-        params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - 128, ignore_eos=True)
-        for i in range(32):
-            engine.add_request(f"b{i}", list(range(100, 228)), params, f"a{i}")
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
-            engine.step()       # every request admitted (adapter loads) and prefilled, as in time_decode
+        start_requests(engine, *RUNS["b32_32lora16"], "b")    # every request admitted and prefilled
         for step in range(args.steps):
             engine.step()
         torch.cuda.synchronize()

@@ -19,6 +19,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from bench.decode_step import copy_bandwidth
 from bench.kernels_lora import graph_time_us
@@ -33,13 +34,9 @@ ROWS = (1, 2, 4)
 
 
 def candidates(rows: int) -> list[tuple[int, int, int, int]]:
-    block_m = triton_pow2(rows)
+    block_m = triton.next_power_of_2(rows)
     ks = {1: (256, 512, 1024), 2: (128, 256, 512), 4: (128, 256)}[block_m]
     return [(block_m, n, k, w) for n, k, w in itertools.product((2, 4, 8, 16), ks, (4, 8))]
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:

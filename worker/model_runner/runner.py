@@ -10,10 +10,10 @@ import torch
 
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
-from worker.layers.embedding import LMHead
-from worker.layers.linear import Linear
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool
+from worker.layers.embedding import LMHead
+from worker.layers.linear import Linear
 from worker.lora.gpu_pool import GPULoRAPool, SlotLoad
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
