@@ -107,7 +107,7 @@ def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
     # the last step must have filled every row this graph reads (rows past a smaller batch's bucket are stale)
     assert len(engine.scheduler.running) == batch, "the last step did not run the whole batch"
     bucket = next(b for b in runner.buckets if b >= batch)
-    graph, _ = runner.graphs[(bucket, lora)]
+    graph, _ = runner.graphs[("decode", bucket, lora)]
     torch.cuda.synchronize()     # an error of the engine's last (launched, never waited) step surfaces here
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()

@@ -89,7 +89,7 @@ def main() -> None:
         result["steps_ok"] = args.steps
         result["inputs"] = input_report(engine, 32)
         out.write_text(json.dumps(result, indent=1))
-        graph, _ = engine.runner.graph_runner.graphs[(32, True)]
+        graph, _ = engine.runner.graph_runner.graphs[("decode", 32, True)]
         for burst in range(args.replays // args.burst):
             result["replays_started"] = (burst + 1) * args.burst
             out.write_text(json.dumps(result, indent=1))

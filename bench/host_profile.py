@@ -1,11 +1,13 @@
 """Where the host time of a step goes: Engine.step() under cProfile on the GPU path.
 
-Decode steps replay CUDA graphs and cost the host little; a step with a prefill in it runs eagerly, one
+Decode steps replay CUDA graphs and cost the host little; so do steps with a prefill in them up to the
+largest mixed-batch graph (`WorkerConfig.mixed_graph_max_tokens`), and larger ones run eagerly, one
 Python-side launch per kernel. This runs `--decoding` requests (each on its own adapter) and, every
 step, adds one new request with a `--prompt-len` prompt (its own adapter too, resident), so every step
-is a mixed prefill + decode step; it reports the steps' wall times and the functions that took the most
-host time (in a second set of such steps: the profiler slows what it watches), against the same number
-of decode-only (graph) steps, and mixed steps with the LoRA kernels on the side stream as in graphs
+is a mixed prefill + decode step; it reports the steps' wall times from mixed-batch graphs and, side by
+side, eager (the graph runner's token buckets emptied), the functions that took the most host time in
+eager mixed steps (in a second set of such steps: the profiler slows what it watches), the same number
+of decode-only (graph) steps, and eager mixed steps with the LoRA kernels on the side stream as in graphs
 (`InputBuilder.eager_overlap`; eager steps run them in line).
 
     python -m bench.host_profile --out host_profile.json
@@ -71,19 +73,27 @@ def main() -> None:
         timed_steps(engine, 10, True, args.prompt_len, extra, "warm")        # adapters loaded, kernels compiled
         for _ in range(5):
             engine.step()
+        graphs = engine.runner.graph_runner
         decode = timed_steps(engine, args.steps, False, args.prompt_len, extra, "x")
+        mixed_graph = timed_steps(engine, args.steps, True, args.prompt_len, extra, "g")
+        replays = dict(graphs.replays)
+        token_buckets, graphs.token_buckets = graphs.token_buckets, []     # mixed steps eager from here
         mixed = timed_steps(engine, args.steps, True, args.prompt_len, extra, "m")
         engine.runner.input_builder.eager_overlap = True        # as before: LoRA on the side stream in eager steps
         mixed_overlap = timed_steps(engine, args.steps, True, args.prompt_len, extra, "o")
         engine.runner.input_builder.eager_overlap = False
-        profile = cProfile.Profile()        # a second set of mixed steps: cProfile slows what it watches
+        profile = cProfile.Profile()        # a second set of eager mixed steps: cProfile slows what it watches
         profile.enable()
         timed_steps(engine, args.steps, True, args.prompt_len, extra, "p")
         profile.disable()
+        graphs.token_buckets = token_buckets
         torch.cuda.synchronize()
-        results.update(decode_step_ms_median=statistics.median(decode), mixed_step_ms_median=statistics.median(mixed),
-                       mixed_step_ms=[round(w, 2) for w in mixed],
-                       mixed_side_stream_step_ms_median=statistics.median(mixed_overlap),
+        results.update(decode_step_ms_median=statistics.median(decode),
+                       mixed_graph_step_ms_median=statistics.median(mixed_graph),
+                       mixed_step_ms_median=statistics.median(mixed),
+                       eager_over_graph=statistics.median(mixed) / statistics.median(mixed_graph),
+                       mixed_graph_step_ms=[round(w, 2) for w in mixed_graph], mixed_step_ms=[round(w, 2) for w in mixed],
+                       mixed_side_stream_step_ms_median=statistics.median(mixed_overlap), graph_replays=replays,
                        top_tottime=top(profile, "tottime", 40), top_cumulative=top(profile, "cumulative", 60))
     text = json.dumps(results, indent=1)
     Path(args.out).write_text(text)

@@ -86,7 +86,10 @@ def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
     token equals HF+PEFT bf16's argmax at every step whose top-two margin exceeds twice the two errors
     together."""
     model_dir, rows = hf_models[arch], ROWS[:num_rows]
-    tokens, logits = run(make_engine(model_dir, enforce_eager), rows, capture_logits=True)
+    engine = make_engine(model_dir, enforce_eager)
+    tokens, logits = run(engine, rows, capture_logits=True)
+    if not enforce_eager:      # the prompts ran in a mixed-batch graph, the decode steps in decode graphs
+        assert engine.runner.graph_runner.replays["mixed"] >= 1 and engine.runner.graph_runner.replays["decode"] > 1
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), rows)):
         ours = torch.stack(logits[f"r{i}"])
         ref32 = hf_teacher_forced(model_dir, prompt, adapter, tokens[f"r{i}"], torch.float32)
@@ -104,11 +107,17 @@ def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
               f"clear steps {int(clear.sum())}/{NUM_STEPS}")
 
 
-@pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
-def test_graphs_and_eager_give_identical_tokens(hf_models, num_rows):
-    eager, _ = run(make_engine(hf_models["llama"], enforce_eager=True), ROWS[:num_rows])
-    graphs, _ = run(make_engine(hf_models["llama"], enforce_eager=False), ROWS[:num_rows])
+@pytest.mark.parametrize("num_rows,chunk", [(len(ROWS), None), (2, None), (len(ROWS), 24)],
+                         ids=["cublas-batch", "gemv-batch", "chunked-prefill"])
+def test_graphs_and_eager_give_identical_tokens(hf_models, num_rows, chunk):
+    """Decode graphs and mixed-batch graphs (prompts, and with a 24-token budget, prompt chunks beside
+    decode tokens, padded to a token bucket) against the eager steps."""
+    sched = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    eager, _ = run(make_engine(hf_models["llama"], enforce_eager=True, **sched), ROWS[:num_rows])
+    engine = make_engine(hf_models["llama"], enforce_eager=False, **sched)
+    graphs, _ = run(engine, ROWS[:num_rows])
     assert eager == graphs
+    assert engine.runner.graph_runner.replays["mixed"] >= (1 if chunk is None else 4)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

@@ -123,6 +123,26 @@ def test_padding_sequences_without_tokens_write_nothing():
         assert_close(batch.run(num_kv_splits=splits), expected, torch.float32)
 
 
+@pytest.mark.parametrize("seqs", [MIXED, [(2, 1)] * 66 + [(4, 20)]], ids=["mixed", "67-sequences"])
+def test_mixed_graph_padding_leaves_padding_rows_alone(seqs):
+    """A mixed-batch CUDA graph's shapes: token rows past the last sequence (in no sequence, never
+    written), sequences with no new tokens past the real ones, and the graph's token count as the
+    max_query_len bound. 67 sequences take two vector steps of kernels/tiles.py's tile lookup."""
+    batch = PagedBatch(seqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=4, dtype=torch.float32)
+    expected = batch.expected()
+    num_tokens, pad_seqs, pad_tokens = batch.q.shape[0], 5, 7
+    batch.q = torch.cat([batch.q, torch.randn(pad_tokens, 4, 64)])
+    batch.query_start_loc += [num_tokens] * pad_seqs
+    batch.seq_lens += [0] * pad_seqs
+    batch.block_tables = torch.cat([batch.block_tables, torch.full((pad_seqs, batch.block_tables.shape[1]), -1,
+                                                                   dtype=torch.int32)])
+    batch.max_query_len = num_tokens + pad_tokens
+    out = torch.full(batch.q.shape, 7.0, device=DEVICE)
+    batch.run(out=out)
+    assert_close(out[:num_tokens], expected, torch.float32)
+    assert bool((out[num_tokens:] == 7.0).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_matches_reference_for_shuffled_slots(dtype):
     gen = torch.Generator().manual_seed(1)

@@ -35,6 +35,7 @@ class Scenario:
     pad_segments: int = 0          # empty segments past the real ones (CUDA-graph bucket)
     pad_tokens: int = 0            # rows past the last segment (belong to no segment)
     num_slots: int = NUM_SLOTS
+    seg_len_bound: int = 0         # max_seg_len passed to the kernels (a mixed graph's token count); 0: the real
 
 
 SCENARIOS = {
@@ -49,6 +50,11 @@ SCENARIOS = {
     "prefill-identical": Scenario((40, 17), (), "identical", (16,)),
     "prefill-zipf-ranks4+16": Scenario((3, 21, 1, 18, 9), (2,), "zipf", (16, 4)),
     "prefill-uniform-R128": Scenario((20, 1, 9, 30), (1,), "uniform", (8, 24, 72, 128), max_rank=128),
+    # a mixed-batch CUDA graph: rows and segments padded, max_seg_len the graph's token count
+    "mixed-graph-padded": Scenario((19, 1, 1, 7), (1,), "zipf", (4, 16), pad_segments=4, pad_tokens=9,
+                                   seg_len_bound=37),
+    # more segments than one vector step of kernels/tiles.py reads (64)
+    "mixed-70-segments": Scenario((1,) * 69 + (20,), (5, 30), "uniform", (4, 16), pad_segments=2, pad_tokens=3),
 }
 
 
@@ -96,8 +102,8 @@ def _make_batch(sc: Scenario, gen: torch.Generator) -> Batch:
     for n in sc.seg_lens:
         indptr.append(indptr[-1] + n)
     ranks = [sc.slot_ranks[i % len(sc.slot_ranks)] for i in range(sc.num_slots)]
-    return Batch(indptr, slots, ranks, sc.max_rank, len(slots) + sc.pad_segments, max(sc.seg_lens),
-                 indptr[-1] + sc.pad_tokens)
+    return Batch(indptr, slots, ranks, sc.max_rank, len(slots) + sc.pad_segments,
+                 sc.seg_len_bound or max(sc.seg_lens), indptr[-1] + sc.pad_tokens)
 
 
 def _randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:

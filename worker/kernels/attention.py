@@ -1,7 +1,9 @@
 """Triton paged attention over the KV pool (prefill, extend and decode in one kernel) and the K/V store.
 
 Every metadata tensor is read on the device; the launch grid depends only on host ints (num_seqs,
-max_query_len, tensor shapes), so both functions are safe inside a CUDA graph and never sync.
+max_query_len, tensor shapes), so both functions are safe inside a CUDA graph and never sync. Batches
+with a prefill (max_query_len > 1) launch one program per query tile of the whole batch (kernels/tiles.py),
+however the tokens fall into sequences: a graph of a padded token count serves any such batch.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from worker.kernels.tiles import CHUNK, locate_tile, max_tiles
 
 LOG2_E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -39,17 +43,19 @@ def _attend_key_tile(acc, m_i, l_i, q, q_pos, k_head, v_head, bt_row, start, kv_
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-        stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, num_heads,
+        stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, num_heads, num_seqs,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        FLAT: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Semantics: program (i, g, t * NUM_SPLITS + s) handles query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of
-    sequence i, all GROUP query heads h of KV head g, and split s of the keys they see:
+    sequence i, all GROUP query heads h of KV head g, and split s of the keys they see (FLAT, one split:
+    program (p, g, 0) handles query tile p of all sequences' tiles numbered one sequence after another,
+    kernels/tiles.py):
         n = query_start_loc[i+1] - query_start_loc[i]; L = seq_lens[i]
         for token j < n at context position p = L - n + j, head h in [g*GROUP, (g+1)*GROUP):
             key position c in [0, p] lives at k_cache[block_tables[i, c // BLOCK_SIZE], c % BLOCK_SIZE, g]
@@ -59,11 +65,19 @@ def _paged_attention_kernel(
     key positions [s*S, (s+1)*S), S = ceil(L / NUM_SPLITS) rounded up to BLOCK_N, and writes its unnormalised
     accumulator, running max (log2 units) and sum to part_*[i, h, s] for _combine_splits_kernel.
     """
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
-    q_start = tl.load(query_start_loc_ptr + seq)
+    if FLAT:
+        seq, row0 = locate_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK)
+        if seq < 0:
+            return
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_tile = (row0 - q_start) // BLOCK_Q
+        split = 0
+    else:
+        seq = tl.program_id(0)
+        q_tile = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+        q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
@@ -185,7 +199,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads, head_dim]; block_tables: [>= num_seqs, max_blocks] int32; query_start_loc: [>= num_seqs + 1]
     int32; seq_lens: [>= num_seqs] int32; out: like q, written and returned (allocated when None).
     num_kv_splits: key splits per decode sequence (flash-decoding); None picks from the GPU's SM count.
-    Only used when max_query_len == 1.
+    Only used when max_query_len == 1. num_seqs and max_query_len are host upper bounds (CUDA-graph
+    padding): sequences past the real ones have no new tokens, and tokens past the last sequence's are
+    left unwritten in out.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -211,14 +227,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * splits)
+    flat = max_query_len > 1       # prefill / mixed: one program per query tile that exists (kernels/tiles.py)
+    if flat:
+        grid = (max_tiles(q.shape[0], num_seqs, block_q), num_kv_heads, 1)
+    else:
+        grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, block_tables, query_start_loc, seq_lens,
         scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_heads,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_heads, num_seqs,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+        FLAT=flat, CHUNK=CHUNK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, out.stride(0), out.stride(1), num_heads,

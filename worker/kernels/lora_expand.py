@@ -14,7 +14,8 @@ Write mode (accumulate=False): y = the delta instead of y += it, base-only segme
 start as anything; every row of y must then lie in a segment (the model's batches and graph padding do).
 The grid tiles the whole output row (all slices), so a tile may straddle a slice boundary; each slice
 that meets the tile adds its own columns. Programs of empty segments or tiles past a segment's
-length exit after a few loads; the rank loop stops at the segment's own rank.
+length exit after a few loads; the rank loop stops at the segment's own rank. As in lora_shrink, segments
+longer than one token are tiled over all segments in turn (kernels/tiles.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.lora_shrink import _tile_matmul
+from worker.kernels.tiles import CHUNK, locate_tile, max_tiles
 
 
 @triton.jit
@@ -56,22 +58,28 @@ def _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, ra
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])
 def _lora_expand_kernel(
         y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
-        out_dim, stride_ym, stride_xam, stride_bw, stride_bo, stride_sw,
+        out_dim, stride_ym, stride_xam, stride_bw, stride_bo, stride_sw, num_segments,
         SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
-        ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_R_HIGH: tl.constexpr):
+        FLAT: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
     # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile];
+    # FLAT: program (tile * NUM_N_TILES + n_tile, 0), tile numbering all segments' m tiles in turn;
     # ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by BLOCK_R_HIGH (fewer, wider steps)
-    m_tile = tl.program_id(0) // NUM_N_TILES
     n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
-    seg = tl.program_id(1)
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    m0 = tl.load(seg_indptr_ptr + seg) + m_tile * BLOCK_M
-    if m0 >= seg_end:
-        return
+    if FLAT:
+        seg, m0 = locate_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, BLOCK_M, CHUNK)
+        if seg < 0:
+            return
+        seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    else:
+        seg = tl.program_id(1)
+        seg_end = tl.load(seg_indptr_ptr + seg + 1)
+        m0 = tl.load(seg_indptr_ptr + seg) + (tl.program_id(0) // NUM_N_TILES) * BLOCK_M
+        if m0 >= seg_end:
+            return
     w = tl.load(weight_indices_ptr + seg)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -145,9 +153,13 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
         return
     cfg = _config(max_seg_len, max_rank)
     num_n_tiles = triton.cdiv(out_dim, cfg["BLOCK_N"])
-    grid = (triton.cdiv(max_seg_len, cfg["BLOCK_M"]) * num_n_tiles, num_segments)
+    flat = max_seg_len > 1
+    if flat:
+        grid = (max_tiles(y.shape[0], num_segments, cfg["BLOCK_M"]) * num_n_tiles, 1)
+    else:
+        grid = (num_n_tiles, num_segments)
     _lora_expand_kernel[grid](
         y, xa, b, seg_indptr, weight_indices, ranks, scalings, offsets_ptr,
-        out_dim, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), scalings.stride(0),
+        out_dim, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), scalings.stride(0), num_segments,
         SLICE_OFFSETS=offsets_const, NUM_SLICES=num_slices, MAX_RANK=max_rank,
-        NUM_N_TILES=num_n_tiles, ACCUMULATE=accumulate, **cfg)
+        NUM_N_TILES=num_n_tiles, FLAT=flat, ACCUMULATE=accumulate, **cfg)

@@ -10,9 +10,11 @@ Semantics:
 Base-only segments (w = -1) and columns past a slot's rank are written as zeros, so a reused `out`
 buffer never leaks stale values. Rows of tokens outside every segment are not written.
 
-The grid depends only on host ints (num_segments, max_seg_len, R), so the launch can be captured in a
-CUDA graph; programs whose segment is empty or shorter than their tile exit after two loads, and
-tiles past the rank store zeros without reading x or a.
+The grid depends only on host ints (num_tokens, num_segments, max_seg_len, R), so the launch can be
+captured in a CUDA graph. Decode batches (one token per segment) get one program per segment and rank
+tile; longer segments get one program per m tile that exists, numbered over all segments in turn
+(kernels/tiles.py), so a graph of a padded token count serves any split into segments. Programs past
+the last tile exit after a few loads, and tiles past the rank store zeros without reading x or a.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from worker.kernels.tiles import CHUNK, locate_tile, max_tiles
 
 
 @triton.jit
@@ -32,21 +36,27 @@ def _tile_matmul(a, b, USE_DOT: tl.constexpr):
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])
 def _lora_shrink_kernel(
         x_ptr, a_ptr, xa_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-        in_dim, stride_xm, stride_aw, stride_an, stride_xam,
-        MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
+        in_dim, stride_xm, stride_aw, stride_an, stride_xam, num_segments,
+        MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr, FLAT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (m_tile * NUM_N_TILES + n_tile, segment, slice) owns xa[m tile of the segment, slice cols n tile]
-    m_tile = tl.program_id(0) // NUM_N_TILES
+    # program (m_tile * NUM_N_TILES + n_tile, segment, slice) owns xa[m tile of the segment, slice cols n tile];
+    # FLAT: program (tile * NUM_N_TILES + n_tile, 0, slice), tile numbering all segments' m tiles in turn
     n_tile = tl.program_id(0) % NUM_N_TILES
-    seg = tl.program_id(1)
     s = tl.program_id(2)
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    m0 = tl.load(seg_indptr_ptr + seg) + m_tile * BLOCK_M
-    if m0 >= seg_end:
-        return
+    if FLAT:
+        seg, m0 = locate_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, BLOCK_M, CHUNK)
+        if seg < 0:
+            return
+        seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    else:
+        seg = tl.program_id(1)
+        seg_end = tl.load(seg_indptr_ptr + seg + 1)
+        m0 = tl.load(seg_indptr_ptr + seg) + (tl.program_id(0) // NUM_N_TILES) * BLOCK_M
+        if m0 >= seg_end:
+            return
     w = tl.load(weight_indices_ptr + seg)
     rank = tl.where(w >= 0, tl.load(ranks_ptr + tl.maximum(w, 0)), 0)
 
@@ -94,8 +104,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
 
     x: [num_tokens, in_dim]; a: [num_slots, num_slices * R, in_dim]; seg_indptr: [>= num_segments + 1] int32;
     weight_indices: [>= num_segments] int32 (-1 = base only); ranks: [num_slots] int32.
-    num_segments, max_seg_len: host upper bounds that size the grid (segments past the real ones must have
-    empty token ranges; max_seg_len must be >= every segment's length).
+    num_segments, max_seg_len: host upper bounds that size the grid and pick the tiles (segments past the
+    real ones must have empty token ranges; max_seg_len must be >= every segment's length, and 1 only when
+    every segment has at most one token).
     out: optional preallocated [num_tokens, num_slices * R] buffer, returned. -> xa
     """
     num_tokens, in_dim = x.shape
@@ -108,9 +119,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
         return xa
     cfg = _config(max_seg_len, in_dim)
     num_n_tiles = triton.cdiv(max_rank, cfg["BLOCK_N"])
-    grid = (triton.cdiv(max_seg_len, cfg["BLOCK_M"]) * num_n_tiles, num_segments, num_slices)
+    flat = max_seg_len > 1
+    if flat:
+        grid = (max_tiles(num_tokens, num_segments, cfg["BLOCK_M"]) * num_n_tiles, 1, num_slices)
+    else:
+        grid = (num_n_tiles, num_segments, num_slices)
     _lora_shrink_kernel[grid](
         x, a, xa, seg_indptr, weight_indices, ranks,
-        in_dim, x.stride(0), a.stride(0), a.stride(1), xa.stride(0),
-        MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, **cfg)
+        in_dim, x.stride(0), a.stride(0), a.stride(1), xa.stride(0), num_segments,
+        MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, FLAT=flat, **cfg)
     return xa

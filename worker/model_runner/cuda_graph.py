@@ -1,6 +1,13 @@
-"""Decode steps replayed from CUDA graphs, one per batch-size bucket, with the LoRA kernels inside.
+"""Steps replayed from CUDA graphs, with the LoRA kernels inside.
 
-Each bucket has two graphs: with LoRA (the shrink/expand kernels read the slot of every sequence
+Decode batches replay a graph per batch-size bucket. Batches with prefill tokens (prefills, chunked
+prefills and the decodes running beside them) replay a graph per token-count bucket, padded to its token
+count and to min(max_num_seqs, tokens) sequences: the attention and LoRA kernels of such batches launch
+one program per row tile that exists (kernels/tiles.py), so a graph fixes only the two counts and serves
+any split of its tokens into sequences and adapter segments. Batches past the largest token bucket, and
+those that want prompt logprobs, run eagerly.
+
+Each bucket has two graphs: with LoRA (the shrink/expand kernels read the slot of every segment
 from device memory, so any adapter or rank mix replays without recapture) and without (no LoRA
 launches when no sequence has an adapter). Inputs live in the input builder's persistent buffers.
 """
@@ -25,30 +32,51 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+def mixed_token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, then steps of 32 up to 512 and of 64 above, up to max_tokens (always a bucket): from ~256
+    tokens a step is bound by compute, and padding adds at most an eighth of the tokens past 256."""
+    if max_tokens <= 0:
+        return []
+    buckets = [b for b in (16, 32) if b < max_tokens]
+    buckets += list(range(64, min(max_tokens, 512), 32))
+    buckets += list(range(512, max_tokens, 64))
+    return buckets + [max_tokens]
+
+
 class CUDAGraphRunner:
-    def __init__(self, model: nn.Module, kv_caches, input_builder: InputBuilder, max_num_seqs: int):
+    def __init__(self, model: nn.Module, kv_caches, input_builder: InputBuilder, max_num_seqs: int,
+                 max_mixed_tokens: int = 0):
         self.model, self.kv_caches, self.inputs = model, kv_caches, input_builder
         self.buckets = graph_buckets(max_num_seqs)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_num_seqs = max_num_seqs
+        self.token_buckets = mixed_token_buckets(max_mixed_tokens)
+        # (kind, size, lora) -> (graph, its logits); kind "decode" (size: sequences) or "mixed" (size: tokens)
+        self.graphs: dict[tuple[str, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
 
-    def can_run(self, batch: ScheduledBatch) -> bool:
-        return (len(batch.seqs) <= self.buckets[-1]
-                and all(s.num_new_tokens == 1 and s.samples for s in batch.seqs)
-                and not any(s.request.params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens
-                            for s in batch.seqs))
+    def mixed_seqs(self, tokens: int) -> int:
+        """Sequences a mixed graph of `tokens` tokens is padded to: every sequence has a token."""
+        return min(self.max_num_seqs, tokens)
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        for bucket in reversed(self.buckets):        # largest first: smaller graphs reuse its memory pool
+        # largest first: smaller graphs reuse its memory pool
+        shapes = [("mixed", t) for t in reversed(self.token_buckets)] + [("decode", b) for b in reversed(self.buckets)]
+        for kind, size in shapes:
             for lora in (True, False):
-                self.graphs[(bucket, lora)] = self._capture(bucket, lora)
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
-                    time.perf_counter() - start)
+                self.graphs[(kind, size, lora)] = self._capture(kind, size, lora)
+        logger.info("captured %d CUDA graphs (decode batch sizes %s, mixed-batch token counts %s) in %.1f s",
+                    len(self.graphs), self.buckets, self.token_buckets, time.perf_counter() - start)
 
-    def _capture(self, bucket: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        batch = self.inputs.build(ScheduledBatch(), pad_to=bucket, lora=lora)
+    def _build(self, kind: str, size: int, batch: ScheduledBatch, lora: bool, prev_tokens=None):
+        if kind == "decode":
+            return self.inputs.build(batch, pad_to=size, lora=lora, prev_tokens=prev_tokens)
+        return self.inputs.build(batch, lora=lora, prev_tokens=prev_tokens, mixed_pad=(size, self.mixed_seqs(size)))
+
+    def _capture(self, kind: str, size: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        batch = self._build(kind, size, ScheduledBatch(), lora)
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -58,19 +86,32 @@ class CUDAGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(batch, self.kv_caches)   # [bucket, vocab]
+            logits = self.model(batch, self.kv_caches)   # [sequences, vocab]
         self.pool = graph.pool()
         return graph, logits
 
-    def run(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of a decode batch, by replaying the smallest graph that fits;
-        `prev_tokens` as for InputBuilder.build."""
-        n = len(batch.seqs)
-        bucket = next(b for b in self.buckets if b >= n)
+    def shape_for(self, batch: ScheduledBatch) -> tuple[str, int] | None:
+        """(kind, size) of the graph that runs `batch`, None when it runs eagerly."""
+        if any(s.request.params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens
+               for s in batch.seqs):
+            return None
+        if len(batch.seqs) <= self.buckets[-1] and all(s.num_new_tokens == 1 and s.samples for s in batch.seqs):
+            return "decode", next(b for b in self.buckets if b >= len(batch.seqs))
+        tokens = batch.num_tokens
+        size = next((t for t in self.token_buckets if t >= tokens), None)
+        if size is None or len(batch.seqs) > self.mixed_seqs(size):
+            return None
+        return "mixed", size
+
+    def run(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [num_sampling_seqs, vocab] of the batch, by replaying the smallest graph that fits; None
+        (nothing enqueued) when the batch must run eagerly. `prev_tokens` as for InputBuilder.build."""
+        shape = self.shape_for(batch)
+        if shape is None:
+            return None
         lora = any(s.lora_slot >= 0 for s in batch.seqs)
-        self.inputs.build(batch, pad_to=bucket, lora=lora, prev_tokens=prev_tokens)
-        graph, logits = self.graphs[(bucket, lora)]
+        self._build(*shape, batch, lora, prev_tokens)
+        graph, logits = self.graphs[(*shape, lora)]
         graph.replay()
-        return logits[:n]
-
-
+        self.replays[shape[0]] += 1
+        return logits[:sum(s.samples for s in batch.seqs)]

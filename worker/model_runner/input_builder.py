@@ -44,11 +44,18 @@ class InputBuilder:
         self.eager_overlap = False        # benchmarks: side-stream LoRA in eager steps too (LoRABatchInfo.overlap)
 
     def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None,
-              prev_tokens: torch.Tensor | None = None) -> ForwardBatch:
+              prev_tokens: torch.Tensor | None = None, mixed_pad: tuple[int, int] | None = None) -> ForwardBatch:
         """`pad_to`: a decode batch padded to that many sequences, one LoRA segment per sequence (the
-        fixed shapes of a CUDA graph). `lora`: force LoRA on or off (graph capture); None decides from
-        the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
-        pending tokens of this batch's requests come from."""
+        fixed shapes of a decode CUDA graph). `mixed_pad`: (tokens, seqs), any batch padded to the fixed
+        shapes of a mixed-batch graph (below). `lora`: force LoRA on or off (graph capture); None decides
+        from the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
+        pending tokens of this batch's requests come from.
+
+        Mixed padding: token rows past the real ones belong to no sequence and no LoRA segment (id 0,
+        position 0, no K/V written), sequences past the real ones have no new tokens and an empty context,
+        LoRA segments past the real ones are empty, and the sampled rows are padded with row 0 to one per
+        sequence; num_seqs, max_query_len and the LoRA grid bounds are the padded counts, so the kernels'
+        grids depend on (tokens, seqs) alone (kernels/tiles.py). No prompt logprobs."""
         self._current = 1 - self._current
         h = self._host_np[self._current]      # numpy views: list -> buffer writes without torch.tensor()
         ids, pos, slots, qsl, lens, prompt_idx, sample_idx, prompt_rows = [], [], [], [0], [], [], [], []
@@ -83,13 +90,26 @@ class InputBuilder:
             lens.append(1)
             h["block_tables"][i, 0] = 0
             sample_idx.append(qsl[-1] - 1)
+        n_tok, max_query_len = qsl[-1], max((qsl[i + 1] - qsl[i] for i in range(len(lens))), default=0)
+        if mixed_pad is not None:
+            assert not prompt_idx, "mixed-batch graphs compute no prompt logprobs"
+            n_tok, n_seq = mixed_pad
+            assert qsl[-1] <= n_tok and len(lens) <= n_seq
+            pad = n_tok - len(ids)
+            ids += [0] * pad
+            pos += [0] * pad
+            slots += [-1] * pad
+            qsl += [qsl[-1]] * (n_seq - len(lens))
+            lens += [0] * (n_seq - len(lens))
+            sample_idx += [0] * (n_seq - len(sample_idx))
+            max_query_len = n_tok
         logits_idx = prompt_idx + sample_idx
-        n_tok, n_seq = qsl[-1], len(lens)
+        n_seq = len(lens)
         for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
                              ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx),
                              ("pending_dst", pending_dst), ("pending_src", pending_src)):
             h[name][:len(values)] = values
-        lora_info = self._build_lora(batch, pad_to, lora)
+        lora_info = self._build_lora(batch, pad_to, lora, mixed_pad)
         self._to_device()
         d = self.dev
         if pending_dst:
@@ -97,7 +117,7 @@ class InputBuilder:
             n = len(pending_dst)
             d["input_ids"].index_copy_(0, d["pending_dst"][:n], prev_tokens[d["pending_src"][:n]])
         return ForwardBatch(
-            num_tokens=n_tok, num_seqs=n_seq, max_query_len=max(qsl[i + 1] - qsl[i] for i in range(n_seq)),
+            num_tokens=n_tok, num_seqs=n_seq, max_query_len=max_query_len,
             input_ids=d["input_ids"][:n_tok], positions=d["positions"][:n_tok],
             slot_mapping=d["slot_mapping"][:n_tok], query_start_loc=d["query_start_loc"][:n_seq + 1],
             seq_lens=d["seq_lens"][:n_seq], block_tables=d["block_tables"][:n_seq],
@@ -110,8 +130,10 @@ class InputBuilder:
         """The host staging views the latest build() filled."""
         return self._host_sets[self._current]
 
-    def _build_lora(self, batch: ScheduledBatch, pad_to: int | None, force: bool | None) -> LoRABatchInfo | None:
-        """Merge consecutive sequences of the same slot into segments (not when padding for a graph).
+    def _build_lora(self, batch: ScheduledBatch, pad_to: int | None, force: bool | None,
+                    mixed_pad: tuple[int, int] | None = None) -> LoRABatchInfo | None:
+        """Merge consecutive sequences of the same slot into segments (not when padding for a decode graph;
+        a mixed graph's padding adds empty segments up to its sequence count).
 
         Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b].
         """
@@ -125,6 +147,11 @@ class InputBuilder:
         for _ in range(len(batch.seqs), pad_to or 0):
             weights.append(-1)
             indptr.append(indptr[-1] + 1)
+        max_seg_len = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
+        if mixed_pad is not None:
+            weights += [-1] * (mixed_pad[1] - len(weights))
+            indptr += [indptr[-1]] * (mixed_pad[1] + 1 - len(indptr))
+            max_seg_len = mixed_pad[0]
         ranks = self.lora_ranks_host
         max_rank = max((ranks[w] for w in weights if w >= 0), default=0)
         if force is not None:
@@ -136,7 +163,7 @@ class InputBuilder:
         h["weight_indices"][:len(weights)] = weights
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
-                             max_rank=max_rank, max_seg_len=max(b - a for a, b in zip(indptr, indptr[1:])),
+                             max_rank=max_rank, max_seg_len=max_seg_len,
                              overlap=pad_to is not None or self.eager_overlap,
                              seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
 

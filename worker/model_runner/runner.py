@@ -83,7 +83,8 @@ class ModelRunner:
             self._warm_up(config.cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80))
         if device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
-                                                sched.max_num_seqs)
+                                                sched.max_num_seqs,
+                                                min(config.mixed_graph_max_tokens, sched.max_num_batched_tokens))
             self.graph_runner.capture()
 
     @property
@@ -108,9 +109,9 @@ class ModelRunner:
         without waiting for the device. `prev`: the step still in flight, whose sampled tokens are
         inputs of this one (async scheduling)."""
         prev_tokens = None if prev is None else prev.device_token_ids
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits, prompt_logprobs = self.graph_runner.run(batch, prev_tokens), {}     # [num_seqs, vocab]
-        else:
+        logits = None if self.graph_runner is None else self.graph_runner.run(batch, prev_tokens)
+        prompt_logprobs = {}
+        if logits is None:
             forward_batch = self.input_builder.build(batch, prev_tokens=prev_tokens)
             logits = self.model(forward_batch, self.kv_pool.caches)    # [num_logits, vocab]
             prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)

@@ -1,0 +1,63 @@
+"""Row tiles of variable-length groups, numbered group after group, for grids sized by host bounds alone.
+
+A step's token rows fall into groups given by an indptr on the device: sequences for attention, adapter
+segments for LoRA. Cut every group into BLOCK-row tiles (the last one of a group may be partial) and number
+the tiles group after group; `locate_tile` finds a tile from its number. A launch of
+`max_tiles(num_rows, num_groups, BLOCK)` programs then covers every tile whatever the group lengths (each
+group adds at most one partial tile), so the grid depends only on the row and group counts: a CUDA graph
+fixes them at capture (padding rows that belong to no group, padding groups that are empty) and one graph
+serves any mix of prefill lengths. Programs past the last tile find no group and exit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = tl.constexpr(64)   # groups read per vector step (batches of up to 64 sequences take one); kernels read it
+
+
+def max_tiles(num_rows: int, num_groups: int, block: int) -> int:
+    """An upper bound on the tiles of any split of num_rows rows into num_groups groups:
+    sum_i cdiv(n_i, block) <= sum_i (n_i / block + 1)."""
+    return triton.cdiv(num_rows, block) + num_groups
+
+
+@triton.jit
+def locate_tile(indptr_ptr, num_groups, tile, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Semantics: with n_i = cdiv(indptr[i+1] - indptr[i], BLOCK) tiles in group i (i < num_groups), tile
+    number `tile` is tile j of group g, where sum_{i<g} n_i + j = tile and j < n_g; returns
+    (g, indptr[g] + j * BLOCK), its group and first row, or (-1, 0) when tile >= sum_i n_i.
+    Reads indptr[0 : num_groups + 1], CHUNK groups per step."""
+    offs = tl.arange(0, CHUNK)
+    group = tl.full([], -1, tl.int32)
+    row0 = tl.full([], 0, tl.int32)
+    before = tl.full([], 0, tl.int32)           # tiles of the groups in earlier chunks
+    for c0 in range(0, num_groups, CHUNK):
+        ok = c0 + offs < num_groups
+        lo = tl.load(indptr_ptr + c0 + offs, mask=ok, other=0)
+        hi = tl.load(indptr_ptr + c0 + offs + 1, mask=ok, other=0)
+        n = tl.where(ok, (hi - lo + BLOCK - 1) // BLOCK, 0)
+        end = before + tl.cumsum(n, 0)          # end: [CHUNK] tiles up to and including each group
+        mine = (end - n <= tile) & (tile < end)  # at most one group of all holds the tile
+        found = tl.sum(mine.to(tl.int32), 0) > 0
+        group = tl.where(found, c0 + tl.sum(tl.where(mine, offs, 0), 0), group)
+        row0 = tl.where(found, tl.sum(tl.where(mine, lo + (tile - (end - n)) * BLOCK, 0), 0), row0)
+        before += tl.sum(n, 0)
+    return group, row0
+
+
+@triton.jit(do_not_specialize=["num_groups"])
+def _tile_map_kernel(indptr_ptr, out_ptr, num_groups, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    tile = tl.program_id(0)
+    group, row0 = locate_tile(indptr_ptr, num_groups, tile, BLOCK, CHUNK)
+    tl.store(out_ptr + 2 * tile, group)
+    tl.store(out_ptr + 2 * tile + 1, row0)
+
+
+def tile_map(indptr: torch.Tensor, num_groups: int, block: int, num_tiles: int, chunk: int = CHUNK) -> torch.Tensor:
+    """[num_tiles, 2] int32: locate_tile's (group, first row) for tiles 0..num_tiles-1 (tests and tools);
+    indptr: [>= num_groups + 1] int32. Same result as reference.tile_map."""
+    out = torch.empty(num_tiles, 2, dtype=torch.int32, device=indptr.device)
+    _tile_map_kernel[(num_tiles,)](indptr, out, num_groups, BLOCK=block, CHUNK=chunk)
+    return out
