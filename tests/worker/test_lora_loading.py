@@ -22,7 +22,8 @@ from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.kernels import reference
 from worker.models.hf_config import ArchConfig
-from worker.lora.adapter import AdapterError, load_adapter, read_adapter
+from worker.lora.adapter import AdapterError, load_adapter, locate_adapter, read_adapter
+from worker.lora.loader import PackedReader
 
 NUM_VARIANTS = 7
 
@@ -70,8 +71,8 @@ class InlineExecutor(concurrent.futures.Executor):
 
 def make_engine(model_dir, adapters: dict[str, str] | None = None, *, overlap: bool = True, max_loras: int = 2,
                 max_cpu_loras: int | None = None, policy: str = "lru", lora_dirs=(), threads: bool = False,
-                **sched) -> Engine:
-    lora = LoRAConfig(max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_cpu_loras,
+                max_lora_rank: int = 16, **sched) -> Engine:
+    lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                       enable_lora_overlap_loading=overlap, lora_eviction_policy=policy, lora_dirs=tuple(lora_dirs))
     engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=256),
                                  lora=lora, scheduler=SchedulerConfig(**sched), device="cpu"))
@@ -170,6 +171,68 @@ def test_read_adapter_gives_each_tensor_in_the_serving_dtype(llama, tmp_path, fi
         assert torch.equal(m.a.view(dtype), typed[key % "A"].to(dtype).flatten())
         assert torch.equal(m.b.view(dtype), typed[key % "B"].to(dtype).flatten())
     assert len(adapter.modules) == len(tensors) // 2
+
+
+@pytest.mark.parametrize("spec", ADAPTERS, ids=[a.name for a in ADAPTERS])
+@pytest.mark.parametrize("max_rank", [16, 32], ids=["R16", "R32"])
+def test_reading_straight_into_place_gives_the_packed_bytes(llama, spec, max_rank):
+    """SlotLayout.read_packed (scattered reads into the slot layout) writes exactly what pack builds from
+    read_adapter: ranks below and at R (B rows padded aside), adapters targeting a subset of the modules,
+    rsLoRA and alpha_pattern scalings; every byte of a buffer full of stale ones is written."""
+    engine = make_engine(llama, max_loras=2, max_lora_rank=max_rank)
+    layout, arch, path = engine.runner.lora_pool.layout, engine.arch, adapter_dir(llama, spec.name)
+    expected = layout.pack(read_adapter(spec.name, path, arch, max_rank, torch.float32), pin=False)
+    stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
+    got = layout.read_packed(locate_adapter(spec.name, path, arch, max_rank), pin=False, out=stale)
+    assert got is stale and torch.equal(got, expected)
+
+
+def test_reading_into_place_leaves_other_dtypes_to_the_converting_read(llama, tmp_path):
+    path = tmp_path / "bf16"
+    shutil.copytree(adapter_dir(llama, ADAPTERS[1].name), path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, str(path / "adapter_model.safetensors"))
+    engine = make_engine(llama, max_loras=2)
+    layout, arch = engine.runner.lora_pool.layout, engine.arch
+    source = locate_adapter("bf16", path, arch, 16)
+    assert layout.read_packed(source, pin=False) is None     # the slots are fp32
+    entry = PackedReader(arch, layout, pin=False)(source.spec)     # the engine's reader converts instead
+    assert torch.equal(entry.packed, layout.pack(read_adapter("bf16", path, arch, 16, torch.float32), pin=False))
+    assert entry.rank == source.spec.rank
+
+
+@pytest.mark.parametrize("iov_max", [1024, 3])
+def test_scattered_reads_go_on_after_short_reads(tmp_path, monkeypatch, iov_max):
+    """read_scattered: buffers in any order, gaps between file ranges, runs longer than IOV_MAX buffers,
+    and a preadv that returns fewer bytes than asked (here at most 7 per call)."""
+    import os
+
+    from worker.lora import gpu_pool
+    data = bytes(random.Random(0).randrange(256) for _ in range(500))
+    (tmp_path / "f").write_bytes(data)
+    ranges = [(0, 10), (10, 33), (33, 34), (40, 100), (100, 250), (251, 500)]
+    buffers = {begin: bytearray(end - begin) for begin, end in ranges}
+    reads = [(begin, memoryview(buffers[begin])) for begin, _ in reversed(ranges)]
+    real = os.preadv
+    monkeypatch.setattr(gpu_pool, "_IOV_MAX", iov_max)
+    monkeypatch.setattr(gpu_pool.os, "preadv", lambda fd, bufs, offset: real(fd, bufs, offset) if sum(
+        len(b) for b in bufs) <= 7 else real(fd, _first_bytes(bufs, 7), offset))
+    with open(tmp_path / "f", "rb") as f:
+        gpu_pool.read_scattered(f.fileno(), reads)
+        assert all(bytes(buffers[begin]) == data[begin:end] for begin, end in ranges)
+        with pytest.raises(OSError, match="ended"):
+            gpu_pool.read_scattered(f.fileno(), [(495, memoryview(bytearray(10)))])
+
+
+def _first_bytes(buffers, n: int) -> list[memoryview]:
+    out = []
+    for b in buffers:
+        b = memoryview(b)[:n]
+        out.append(b)
+        n -= len(b)
+        if n == 0:
+            break
+    return out
 
 
 # tiers

@@ -57,6 +57,26 @@ class AdapterBytes:
     modules: dict[tuple[int, str], ModuleBytes]    # (layer, target) -> weights
 
 
+@dataclass(frozen=True)
+class ModuleSource:
+    """Where one module's weights lie in adapter_model.safetensors: absolute byte ranges [begin, end)."""
+    a: tuple[int, int]       # lora_A [rank, in_features], row-major, in the file's dtype
+    b: tuple[int, int]       # lora_B [out_features, rank]
+    rank: int
+    in_features: int
+    out_features: int
+    scaling: float
+
+
+@dataclass
+class AdapterSource:
+    """A checked adapter directory with its weights located in the file but not read (`locate_adapter`)."""
+    spec: AdapterSpec
+    file: Path
+    dtypes: set[torch.dtype]                       # the dtypes its tensors are stored in
+    modules: dict[tuple[int, str], ModuleSource]   # (layer, target) -> where its weights lie
+
+
 @dataclass
 class LoRAModule:
     a: torch.Tensor     # [rank, in_features]
@@ -90,18 +110,43 @@ def read_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: i
                  dtype: torch.dtype) -> AdapterBytes:
     """Read and check a PEFT directory, its weights converted to `dtype`; raises AdapterError."""
     path = Path(path)
-    config = _read_config(path)
-    _check_config(config, max_lora_rank)
-    header, data_start = _read_header(path)
-    checked = _check_modules(name, path, header, arch, max_lora_rank)
+    header, data_start, checked, scalings = _check_directory(name, path, arch, max_lora_rank)
     tensors = _tensor_bytes(header, _read_data(path, data_start), dtype)
     modules = {}
     for (layer, target), keys in checked.items():
         (rank, fan_in), (fan_out, _) = header[keys["A"]][1], header[keys["B"]][1]
-        block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        scaling = _scaling(config, f"model.layers.{layer}.{block}.{target}", rank)
-        modules[(layer, target)] = ModuleBytes(tensors[keys["A"]], tensors[keys["B"]], rank, fan_in, fan_out, scaling)
+        modules[(layer, target)] = ModuleBytes(tensors[keys["A"]], tensors[keys["B"]], rank, fan_in, fan_out,
+                                               scalings[(layer, target)])
     return AdapterBytes(_spec(name, path, header, checked), dtype, modules)
+
+
+def locate_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int) -> AdapterSource:
+    """Check a PEFT directory as read_adapter does and locate each module's weights in its tensor file,
+    reading no weights (gpu_pool.SlotLayout.read_packed reads them straight into place); raises AdapterError."""
+    path = Path(path)
+    header, data_start, checked, scalings = _check_directory(name, path, arch, max_lora_rank)
+    modules = {}
+    for key, keys in checked.items():
+        (_, a_shape, a_begin, a_end), (_, b_shape, b_begin, b_end) = header[keys["A"]], header[keys["B"]]
+        modules[key] = ModuleSource((data_start + a_begin, data_start + a_end),
+                                    (data_start + b_begin, data_start + b_end),
+                                    a_shape[0], a_shape[1], b_shape[0], scalings[key])
+    return AdapterSource(_spec(name, path, header, checked), _tensor_file(path),
+                         {entry[0] for entry in header.values()}, modules)
+
+
+def _check_directory(name: str, path: Path, arch: ArchConfig, max_lora_rank: int) -> tuple[dict, int, dict, dict]:
+    """The checks of read_adapter: (header, data start, (layer, target) -> tensor keys, -> scaling)."""
+    config = _read_config(path)
+    _check_config(config, max_lora_rank)
+    header, data_start = _read_header(path)
+    checked = _check_modules(name, path, header, arch, max_lora_rank)
+    scalings = {}
+    for (layer, target), keys in checked.items():
+        block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        scalings[(layer, target)] = _scaling(config, f"model.layers.{layer}.{block}.{target}",
+                                             header[keys["A"]][1][0])
+    return header, data_start, checked, scalings
 
 
 def load_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int,

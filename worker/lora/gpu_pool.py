@@ -13,6 +13,7 @@ the per-slice scalings; each projection's LoRAWeights are strided views across a
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -22,14 +23,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.linear import LoRAWeights
-from worker.lora.adapter import AdapterBytes, ModuleBytes
+from worker.lora.adapter import AdapterBytes, AdapterSource, ModuleBytes, ModuleSource
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024   # buffers per os.preadv
 
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def read_scattered(fd: int, reads: list[tuple[int, memoryview]]) -> None:
+    """Fill each (file offset, buffer) of `reads` from the file: one os.preadv per run of buffers whose
+    file ranges follow each other (at most IOV_MAX buffers), going on after short reads."""
+    reads = sorted(reads, key=lambda r: r[0])
+    i = 0
+    while i < len(reads):
+        start, buffers = reads[i][0], []
+        end = start
+        while i < len(reads) and reads[i][0] == end and len(buffers) < _IOV_MAX:
+            buffers.append(reads[i][1])
+            end += len(reads[i][1])
+            i += 1
+        while start < end:
+            done = os.preadv(fd, buffers, start)
+            if done == 0:
+                raise OSError(f"the file ended at byte {start}, before {end}")
+            start += done
+            while buffers and done >= len(buffers[0]):
+                done -= len(buffers[0])
+                buffers.pop(0)
+            if done:
+                buffers[0] = buffers[0][done:]
 
 
 @dataclass(frozen=True)
@@ -85,22 +111,74 @@ class SlotLayout:
         A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R.
         """
         assert adapter.dtype == self.dtype, f"adapter read as {adapter.dtype}, slots hold {self.dtype}"
-        item, R = self.dtype.itemsize, self.max_rank
-        by_slice = {(layer, *self.targets[target]): m for (layer, target), m in adapter.modules.items()}
-        parts: list[tuple[str, object]] = []     # ("bytes", tensor) | ("zeros", count) | ("scalings", floats)
-        for (layer, name), region in self.regions.items():
-            modules = [by_slice.get((layer, name, s)) for s in range(len(region.slice_offsets) - 1)]
-            in_features, out_features = region.a_shape[1], region.b_shape[0]
-            for m in modules:
-                parts += ([("zeros", R * in_features * item)] if m is None else
-                          [("bytes", m.a), ("zeros", (R - m.rank) * in_features * item)])
-            parts.append(("zeros", region.b_offset - region.a_offset - region.a_shape[0] * in_features * item))
-            for m, lo, hi in zip(modules, region.slice_offsets, region.slice_offsets[1:]):
-                parts.append(("zeros", (hi - lo) * R * item) if m is None else ("bytes", self._b_rows(m)))
-            parts.append(("zeros", region.scalings_offset - region.b_offset - out_features * R * item))
-            parts.append(("scalings", [0.0 if m is None else m.scaling for m in modules]))
-            parts.append(("zeros", _aligned(4 * len(modules)) - 4 * len(modules)))
+        parts = [("bytes", m.a) if kind == "a" else ("bytes", self._b_rows(m)) if kind == "b" else (kind, m)
+                 for kind, m in self._parts(adapter.modules)]
         return self._concatenate(parts, pin)
+
+    @torch.no_grad()
+    def read_packed(self, source: AdapterSource, pin: bool, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The slot bytes of `source` (adapter.locate_adapter) as `pack` builds them, with the weights read
+        from the file straight into place: one scattered read (os.preadv) per file-contiguous run of
+        tensors, no staging copy. None when the file stores another dtype than the slots' (read_adapter
+        converts it, then pack). The reads release the GIL for their whole length, so a reader thread
+        barely holds up the step loop. `out`: a [num_bytes] uint8 buffer to fill (every byte is written).
+        """
+        if source.dtypes != {self.dtype}:
+            return None
+        item, R = self.dtype.itemsize, self.max_rank
+        packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin) if out is None else out
+        assert packed.shape == (self.num_bytes,) and packed.dtype == torch.uint8 and packed.is_contiguous()
+        view = memoryview(packed.numpy())
+        reads: list[tuple[int, memoryview]] = []          # (file offset, destination)
+        padded: list[tuple[int, ModuleSource, torch.Tensor]] = []   # B rows of rank < R, read aside
+        offset = 0
+        for kind, value in self._parts(source.modules):
+            if kind == "a":
+                size = value.rank * value.in_features * item
+                reads.append((value.a[0], view[offset:offset + size]))
+            elif kind == "b":
+                size = value.out_features * R * item
+                if value.rank == R:
+                    reads.append((value.b[0], view[offset:offset + size]))
+                else:
+                    rows = torch.empty(value.b[1] - value.b[0], dtype=torch.uint8)
+                    reads.append((value.b[0], memoryview(rows.numpy())))
+                    padded.append((offset, value, rows))
+            elif kind == "scalings":
+                size = 4 * len(value)
+                packed[offset:offset + size] = torch.tensor(value, dtype=torch.float32).view(torch.uint8)
+            else:
+                size = value
+                if size:
+                    packed[offset:offset + size].zero_()
+            offset += size
+        with open(source.file, "rb") as f:
+            read_scattered(f.fileno(), reads)
+        for offset, m, rows in padded:
+            b = packed[offset:offset + m.out_features * R * item].view(self.dtype).view(m.out_features, R)
+            b[:, :m.rank] = rows.view(self.dtype).view(m.out_features, m.rank)
+            b[:, m.rank:] = 0
+        return packed
+
+    def _parts(self, modules: dict) -> list[tuple[str, object]]:
+        """The slot's bytes in order: ("a", module) its lora_A rows, ("b", module) its lora_B rows padded to R
+        columns, ("zeros", count), ("scalings", floats); modules: (layer, target) -> ModuleBytes or ModuleSource."""
+        item, R = self.dtype.itemsize, self.max_rank
+        by_slice = {(layer, *self.targets[target]): m for (layer, target), m in modules.items()}
+        parts: list[tuple[str, object]] = []
+        for (layer, name), region in self.regions.items():
+            slices = [by_slice.get((layer, name, s)) for s in range(len(region.slice_offsets) - 1)]
+            in_features, out_features = region.a_shape[1], region.b_shape[0]
+            for m in slices:
+                parts += ([("zeros", R * in_features * item)] if m is None else
+                          [("a", m), ("zeros", (R - m.rank) * in_features * item)])
+            parts.append(("zeros", region.b_offset - region.a_offset - region.a_shape[0] * in_features * item))
+            for m, lo, hi in zip(slices, region.slice_offsets, region.slice_offsets[1:]):
+                parts.append(("zeros", (hi - lo) * R * item) if m is None else ("b", m))
+            parts.append(("zeros", region.scalings_offset - region.b_offset - out_features * R * item))
+            parts.append(("scalings", [0.0 if m is None else m.scaling for m in slices]))
+            parts.append(("zeros", _aligned(4 * len(slices)) - 4 * len(slices)))
+        return parts
 
     def _b_rows(self, m: ModuleBytes) -> torch.Tensor:
         """lora_B bytes with each row padded to R columns."""

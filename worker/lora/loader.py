@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter import AdapterSpec, read_adapter
+from worker.lora.adapter import AdapterError, AdapterSpec, locate_adapter, read_adapter
 from worker.lora.gpu_pool import SlotLayout
 from worker.lora.host_cache import HostAdapter, HostCache
 from worker.models.hf_config import ArchConfig
@@ -24,15 +24,23 @@ logger = logging.getLogger(__name__)
 
 
 class PackedReader:
-    """spec -> HostAdapter: read the directory, check it again (it may have changed since it was
-    registered), and pack it in the GPU slot layout."""
+    """spec -> HostAdapter: check the directory again (it may have changed since it was registered) and
+    read it into the GPU slot layout: straight from the file into place when it stores the slots' dtype
+    (SlotLayout.read_packed), else read, converted and packed."""
 
     def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool):
         self.arch, self.layout, self.pin = arch, layout, pin
 
     def __call__(self, spec: AdapterSpec) -> HostAdapter:
-        adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
-        return HostAdapter(self.layout.pack(adapter, self.pin), adapter.spec.rank)
+        source = locate_adapter(spec.name, spec.path, self.arch, self.layout.max_rank)
+        try:
+            packed = self.layout.read_packed(source, self.pin)
+        except OSError as e:
+            raise AdapterError(f"adapter_model.safetensors in {spec.path} is unreadable: {e!r}") from e
+        if packed is None:
+            adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
+            packed = self.layout.pack(adapter, self.pin)
+        return HostAdapter(packed, source.spec.rank)
 
 
 @dataclass(frozen=True)
