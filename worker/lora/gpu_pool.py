@@ -236,6 +236,7 @@ class GPULoRAPool:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # adapter copies only
         self._in_flight: list[SlotLoad] = []          # issue order, which is completion order
         self._unjoined: dict[int, torch.cuda.Event] = {}   # slot -> end of its latest copy
+        self._last_use: dict[int, torch.cuda.Event] = {}   # slot -> end of the latest step that read it
 
     @property
     def num_bytes(self) -> int:
@@ -245,8 +246,9 @@ class GPULoRAPool:
     def start_load(self, slot: int, packed: torch.Tensor, rank: int, key: Hashable) -> None:
         """Copy `packed` ([num_bytes] uint8, pinned on CUDA) into `slot` without waiting for it.
 
-        The copy waits for the work already queued on the compute stream, which may still read the
-        slot's previous adapter; nothing waits for the copy until `wait_for` names the slot.
+        The copy waits only for the latest step that read the slot (`record_use`), which may still read
+        its previous adapter: it runs beside steps that do not use the slot, such as the one in flight
+        when the slot was free. Nothing waits for the copy until `wait_for` names the slot.
         """
         if self._stream is None:
             start = time.perf_counter()
@@ -254,7 +256,9 @@ class GPULoRAPool:
             self.ranks[slot] = rank
             self._in_flight.append(SlotLoad(slot, key, packed, None, None, time.perf_counter() - start))
         else:
-            self._stream.wait_stream(torch.cuda.current_stream())
+            used = self._last_use.pop(slot, None)
+            if used is not None:
+                self._stream.wait_event(used)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self._stream):
                 start.record()
@@ -279,3 +283,13 @@ class GPULoRAPool:
             end = self._unjoined.pop(slot, None)
             if end is not None:
                 torch.cuda.current_stream().wait_event(end)
+
+    def record_use(self, slots: Iterable[int]) -> None:
+        """The step just enqueued on the compute stream reads `slots`: a later copy into one waits for it."""
+        slots = list(slots)
+        if self._stream is None or not slots:
+            return
+        used = torch.cuda.Event()
+        used.record()
+        for slot in slots:
+            self._last_use[slot] = used

@@ -43,6 +43,8 @@ class SlotTable:
         """Reference `ref`'s slot: (slot, needs_load). None when every slot is in use.
 
         A newly assigned slot counts as loaded: the caller loads it before the step runs (blocking loads).
+        A slot still loading may be referenced: its copy has been issued, and the step that uses it waits
+        for the copy on the device (overlap loading); it stays loading until `mark_loaded`.
         """
         slot = self._slots.get(ref)
         needs_load = slot is None
@@ -51,14 +53,14 @@ class SlotTable:
             if slot is None:
                 return None
             self._install(ref, slot)
-        assert not self._loading[slot], f"acquire of adapter {ref} whose load has not finished"
         self._refcounts[slot] += 1
         return slot, needs_load
 
     def reserve(self, ref: AdapterRef, protected: Container[AdapterRef] = (),
                 next_use: Mapping[AdapterRef, int] | None = None) -> int | None:
         """Assign a slot to non-resident `ref` and mark it loading, never evicting an adapter in
-        `protected`; None when no slot can be had. `acquire` may follow once `mark_loaded(ref)`."""
+        `protected`; None when no slot can be had. The caller issues the copy before the step runs;
+        `acquire` may follow at once."""
         assert ref not in self._slots, f"reserve of resident adapter {ref}"
         slot = self._victim(protected, next_use or {})
         if slot is not None:

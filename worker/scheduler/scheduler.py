@@ -10,8 +10,10 @@ adapter, one reference on that adapter's slot; WAITING and FINISHED requests own
 
 Adapter loads. Without a prefetcher (blocking loads), admitting a request whose adapter is not
 resident takes a slot and asks for the load in the same batch. With one (overlap loading), the
-prefetcher reserves slots for the queue's adapters and asks for their loads; a request is admitted
-only once its adapter's load has finished, in a later step, and waits without holding anyone up.
+prefetcher reads the queue's adapters from disk on other threads, and reserves slots and asks for their
+copies once they are in host memory; a request waits, without holding anyone up, until its adapter has
+a slot with its copy issued (in this step at the earliest): its step waits for the copy on the device,
+and the copy waits only for earlier steps that read the slot, so it runs beside the step in flight.
 """
 from __future__ import annotations
 
@@ -204,10 +206,10 @@ class Scheduler:
     def _adapter_ready(self, request: Request, skipped: list[Request], starved: set,
                        draining: AdapterRef | None) -> bool:
         """Whether `request`'s adapter lets it in now; one kept out for want of a slot joins `skipped`."""
-        if self.prefetcher is not None and not self.slots.is_loaded(request.adapter):
+        if self.prefetcher is not None and self.slots.slot_of(request.adapter) is None:
             if request.adapter in starved:
                 skipped.append(request)
-            return False       # still loading, or on its way from disk: it waits, nobody else does
+            return False       # on its way from disk, or no slot yet: it waits, nobody else does
         if (policy.may_overtake(request, skipped, self.config.max_adapter_bypasses, draining)
                 and self.slots.can_acquire(request.adapter)):
             return True
