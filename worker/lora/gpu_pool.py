@@ -18,6 +18,7 @@ import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -128,9 +129,12 @@ class SlotLayout:
         item, R = self.dtype.itemsize, self.max_rank
         packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin) if out is None else out
         assert packed.shape == (self.num_bytes,) and packed.dtype == torch.uint8 and packed.is_contiguous()
-        view = memoryview(packed.numpy())
+        # numpy for the small writes: no GIL hand-offs to the step loop between them (torch ops release
+        # the GIL and wait up to a switch interval to get it back); the reads release it for their length
+        buf = packed.numpy()
+        view = memoryview(buf)
         reads: list[tuple[int, memoryview]] = []          # (file offset, destination)
-        padded: list[tuple[int, ModuleSource, torch.Tensor]] = []   # B rows of rank < R, read aside
+        padded: list[tuple[int, ModuleSource, np.ndarray]] = []   # B rows of rank < R, read aside
         offset = 0
         for kind, value in self._parts(source.modules):
             if kind == "a":
@@ -141,23 +145,22 @@ class SlotLayout:
                 if value.rank == R:
                     reads.append((value.b[0], view[offset:offset + size]))
                 else:
-                    rows = torch.empty(value.b[1] - value.b[0], dtype=torch.uint8)
-                    reads.append((value.b[0], memoryview(rows.numpy())))
+                    rows = np.empty(value.b[1] - value.b[0], dtype=np.uint8)
+                    reads.append((value.b[0], memoryview(rows)))
                     padded.append((offset, value, rows))
             elif kind == "scalings":
                 size = 4 * len(value)
-                packed[offset:offset + size] = torch.tensor(value, dtype=torch.float32).view(torch.uint8)
+                buf[offset:offset + size] = np.array(value, dtype=np.float32).view(np.uint8)
             else:
                 size = value
-                if size:
-                    packed[offset:offset + size].zero_()
+                buf[offset:offset + size] = 0
             offset += size
         with open(source.file, "rb") as f:
             read_scattered(f.fileno(), reads)
-        for offset, m, rows in padded:
-            b = packed[offset:offset + m.out_features * R * item].view(self.dtype).view(m.out_features, R)
-            b[:, :m.rank] = rows.view(self.dtype).view(m.out_features, m.rank)
-            b[:, m.rank:] = 0
+        for offset, m, rows in padded:     # [out, R] rows of bytes: the first rank columns read, the rest zero
+            b = buf[offset:offset + m.out_features * R * item].reshape(m.out_features, R * item)
+            b[:, :m.rank * item] = rows.reshape(m.out_features, m.rank * item)
+            b[:, m.rank * item:] = 0
         return packed
 
     def _parts(self, modules: dict) -> list[tuple[str, object]]:
