@@ -63,3 +63,29 @@ def test_steps_make_no_sync_while_adapter_copies_are_in_flight(hf_models):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.lora_stats().gpu.loads - loads_before >= len(ADAPTERS)
+
+
+def test_a_copy_waits_for_the_steps_that_read_its_slot_and_runs_beside_the_others(hf_models):
+    """GPULoRAPool.start_load orders a copy after the latest step that read its slot (record_use), and
+    after nothing else: a copy into a slot the step in flight does not read completes while that step
+    still runs. The 'step' is a kernel held back by a device-side sleep, then reading slot 0."""
+    engine = make_engine(hf_models["llama"], "cuda", "bfloat16", overlap=True)
+    pool = engine.runner.lora_pool
+    first = torch.full((pool.layout.num_bytes,), 1, dtype=torch.uint8).pin_memory()
+    second = torch.full_like(first, 2).pin_memory()
+    pool.start_load(0, first, 8, "first")
+    pool.wait_for([0])
+    torch.cuda.synchronize()
+    pool.finished_loads()
+    torch.cuda._sleep(200_000_000)                        # ~0.1 s of device time before the read
+    seen = pool.slots[0].sum(dtype=torch.int64)           # the step in flight reads slot 0
+    pool.record_use([0])
+    pool.start_load(1, second, 8, "beside")               # slot 1: nobody reads it
+    pool.start_load(0, second, 8, "after")                # slot 0: must wait for the read
+    finished: list = []
+    while "beside" not in [load.key for load in finished]:   # completes while the sleeping step still runs
+        finished += pool.finished_loads()
+    assert not torch.cuda.current_stream().query() and "after" not in [load.key for load in finished]
+    torch.cuda.synchronize()
+    assert seen.item() == pool.layout.num_bytes           # the read saw the first adapter's bytes, all ones
+    assert bool((pool.slots[0] == 2).all()) and bool((pool.slots[1] == 2).all())
