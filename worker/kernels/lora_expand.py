@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels.lora_shrink import _tile_matmul
-from worker.kernels.tiles import CHUNK, locate_tile, max_tiles
+from worker.kernels.tiles import CHUNK, group_tile, max_tiles
 
 
 @triton.jit
@@ -69,17 +69,10 @@ def _lora_expand_kernel(
     # FLAT: program (tile * NUM_N_TILES + n_tile, 0), tile numbering all segments' m tiles in turn;
     # ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by BLOCK_R_HIGH (fewer, wider steps)
     n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
-    if FLAT:
-        seg, m0 = locate_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, BLOCK_M, CHUNK)
-        if seg < 0:
-            return
-        seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    else:
-        seg = tl.program_id(1)
-        seg_end = tl.load(seg_indptr_ptr + seg + 1)
-        m0 = tl.load(seg_indptr_ptr + seg) + (tl.program_id(0) // NUM_N_TILES) * BLOCK_M
-        if m0 >= seg_end:
-            return
+    seg, m0, seg_end = group_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, FLAT, BLOCK_M,
+                                  CHUNK)
+    if seg < 0:
+        return
     w = tl.load(weight_indices_ptr + seg)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.tiles import CHUNK, locate_tile, max_tiles
+from worker.kernels.tiles import CHUNK, group_tile, max_tiles
 
 
 @triton.jit
@@ -46,17 +46,10 @@ def _lora_shrink_kernel(
     # FLAT: program (tile * NUM_N_TILES + n_tile, 0, slice), tile numbering all segments' m tiles in turn
     n_tile = tl.program_id(0) % NUM_N_TILES
     s = tl.program_id(2)
-    if FLAT:
-        seg, m0 = locate_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, BLOCK_M, CHUNK)
-        if seg < 0:
-            return
-        seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    else:
-        seg = tl.program_id(1)
-        seg_end = tl.load(seg_indptr_ptr + seg + 1)
-        m0 = tl.load(seg_indptr_ptr + seg) + (tl.program_id(0) // NUM_N_TILES) * BLOCK_M
-        if m0 >= seg_end:
-            return
+    seg, m0, seg_end = group_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, FLAT, BLOCK_M,
+                                  CHUNK)
+    if seg < 0:
+        return
     w = tl.load(weight_indices_ptr + seg)
     rank = tl.where(w >= 0, tl.load(ranks_ptr + tl.maximum(w, 0)), 0)
 

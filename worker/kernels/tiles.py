@@ -47,6 +47,22 @@ def locate_tile(indptr_ptr, num_groups, tile, BLOCK: tl.constexpr, CHUNK: tl.con
     return group, row0
 
 
+@triton.jit
+def group_tile(indptr_ptr, num_groups, tile, FLAT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Semantics: (g, first row, indptr[g + 1]) of the row tile a program owns, g = -1 when it owns none.
+    FLAT: `tile` numbers all groups' tiles in turn (locate_tile); else the program owns tile `tile` of
+    group program_id(1), if that group has one."""
+    if FLAT:
+        group, row0 = locate_tile(indptr_ptr, num_groups, tile, BLOCK, CHUNK)
+        end = tl.load(indptr_ptr + tl.maximum(group, 0) + 1)
+    else:
+        group = tl.program_id(1)
+        end = tl.load(indptr_ptr + group + 1)
+        row0 = tl.load(indptr_ptr + group) + tile * BLOCK
+        group = tl.where(row0 < end, group, -1)
+    return group, row0, end
+
+
 @triton.jit(do_not_specialize=["num_groups"])
 def _tile_map_kernel(indptr_ptr, out_ptr, num_groups, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     tile = tl.program_id(0)
