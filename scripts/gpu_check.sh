@@ -72,7 +72,7 @@ for stage in $stages; do
                --preset sglang-multi-adapter --num-prompts 64 --random-input-len 256 --random-output-len 32 \
                --batch-size 32 --no-plots \
                --out "$OUT/hf_baseline.json" >> "$OUT/serve.log" 2>&1 ;;
-    loading) timeout 300 python3 -m bench.lora_loading --out "$OUT/lora_loading.json" > "$OUT/loading.log" 2>&1 ;;
+    loading) timeout 360 python3 -m bench.lora_loading --out "$OUT/lora_loading.json" > "$OUT/loading.log" 2>&1 ;;
     loading-nostreams)   # the zipf runs without the resident streams, as the first session measured them
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
                --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1

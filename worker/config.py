@@ -36,6 +36,8 @@ class LoRAConfig:
     lora_eviction_policy: str = "lru"         # lru | fifo, among GPU slots no running request uses
     lora_dirs: tuple[str, ...] = ()           # roots where an unknown adapter name is looked up on first use
     lora_load_workers: int = 2                # threads reading adapters from disk into the host cache
+    lora_read_threads: int = 4                # with overlap loading, one adapter's file reads are split
+                                              # across this many threads (blocking loads read in the loop)
     lora_side_stream: bool = True             # CUDA: each LoRA shrink (and in decode steps the expand) runs on
                                               # a second stream beside its base GEMM (False: in line; kept for
                                               # side-by-side benchmarks)

@@ -73,7 +73,8 @@ class Engine:
         self.num_kv_blocks = self.runner.num_kv_blocks
         lora = config.lora
         self.host_cache = HostCache(lora.max_cpu_loras)
-        reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda")
+        reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
+                              read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1)
         self.loader = AdapterLoader(reader, self.host_cache, lora.lora_load_workers)
         slots = SlotTable(lora.max_loras, lora.lora_eviction_policy)
         prefetcher = (Prefetcher(slots, self.host_cache, self.loader, window=max(2 * lora.max_loras, 8),

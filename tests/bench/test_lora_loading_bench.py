@@ -57,7 +57,21 @@ def test_replay_times_every_request_and_keeps_streams_apart(tiny, streams):
         ids = list(timeline.arrival)      # every request was scheduled after it arrived, before its first token
         assert all(timeline.arrival[i] <= timeline.scheduled[i] <= timeline.tokens[i][0] for i in ids)
         assert "schedule" not in vars(e.scheduler)          # the bench's timing hook is gone again
-    targets = lora_loading.targets(modes)
+    # the floor run: the same arrivals and lengths, all on the preloaded hot adapter, load nothing
+    no_loads = Workload(num_prompts=12, input_len=(8, 8), output_len=(3, 3), vocab_size=300,
+                        adapters=(lora_loading.HOT,), adapter_choice="identical", request_rate=200.0)
+    assert [r.prompt for r in no_loads.requests(0)] == [r.prompt for r in workload.requests(0)]
+    lora_loading.register(e, names, files)
+    lora_loading.preload(e, lora_loading.HOT, 300)
+    before = e.lora_stats()
+    floor = lora_loading.summarize(lora_loading.replay(e, no_loads, 0, streams), before, e.lora_stats())
+    assert floor["resident_at_arrival"] == 12 and floor["tiers"]["gpu"]["loads"] == 0
+    assert floor["tiers"]["host"]["loads"] == 0
+    targets = lora_loading.targets(modes, floor)
     assert targets["ttft_p50_reduction"] == pytest.approx(1 - modes["overlap"]["ttft_p50_ms"]
                                                           / modes["blocking"]["ttft_p50_ms"])
+    bound = 1 - floor["ttft_p50_ms"] / modes["blocking"]["ttft_p50_ms"]
+    assert targets["ttft_p50_reduction_bound"] == pytest.approx(bound)
+    assert targets["ttft_bar_reachable"] == (bound >= 0.35)
     assert (targets["itl_ok"] is None) == (streams == 0)
+    assert lora_loading.targets(modes)["ttft_p50_reduction_bound"] is None

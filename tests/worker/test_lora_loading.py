@@ -11,6 +11,7 @@ import concurrent.futures
 import random
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -71,9 +72,10 @@ class InlineExecutor(concurrent.futures.Executor):
 
 def make_engine(model_dir, adapters: dict[str, str] | None = None, *, overlap: bool = True, max_loras: int = 2,
                 max_cpu_loras: int | None = None, policy: str = "lru", lora_dirs=(), threads: bool = False,
-                max_lora_rank: int = 16, **sched) -> Engine:
+                max_lora_rank: int = 16, read_threads: int = 4, **sched) -> Engine:
     lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                      enable_lora_overlap_loading=overlap, lora_eviction_policy=policy, lora_dirs=tuple(lora_dirs))
+                      enable_lora_overlap_loading=overlap, lora_eviction_policy=policy, lora_dirs=tuple(lora_dirs),
+                      lora_read_threads=read_threads)
     engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=256),
                                  lora=lora, scheduler=SchedulerConfig(**sched), device="cpu"))
     if not threads:
@@ -175,16 +177,29 @@ def test_read_adapter_gives_each_tensor_in_the_serving_dtype(llama, tmp_path, fi
 
 @pytest.mark.parametrize("spec", ADAPTERS, ids=[a.name for a in ADAPTERS])
 @pytest.mark.parametrize("max_rank", [16, 32], ids=["R16", "R32"])
-def test_reading_straight_into_place_gives_the_packed_bytes(llama, spec, max_rank):
+@pytest.mark.parametrize("parts", [1, 3], ids=["one-read", "3-parts"])
+def test_reading_straight_into_place_gives_the_packed_bytes(llama, spec, max_rank, parts, monkeypatch):
     """SlotLayout.read_packed (scattered reads into the slot layout) writes exactly what pack builds from
     read_adapter: ranks below and at R (B rows padded aside), adapters targeting a subset of the modules,
-    rsLoRA and alpha_pattern scalings; every byte of a buffer full of stale ones is written."""
+    rsLoRA and alpha_pattern scalings, in one read or split across threads; every byte of a buffer full
+    of stale ones is written."""
+    from worker.lora import gpu_pool
+    monkeypatch.setattr(gpu_pool, "MIN_PART_BYTES", 1000)     # the fixtures' adapters are small
     engine = make_engine(llama, max_loras=2, max_lora_rank=max_rank)
     layout, arch, path = engine.runner.lora_pool.layout, engine.arch, adapter_dir(llama, spec.name)
     expected = layout.pack(read_adapter(spec.name, path, arch, max_rank, torch.float32), pin=False)
     stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
-    got = layout.read_packed(locate_adapter(spec.name, path, arch, max_rank), pin=False, out=stale)
+    with concurrent.futures.ThreadPoolExecutor(parts) as pool:
+        got = layout.read_packed(locate_adapter(spec.name, path, arch, max_rank), pin=False, out=stale,
+                                 pool=pool, parts=parts)
     assert got is stale and torch.equal(got, expected)
+
+
+def test_overlap_loading_splits_reads_across_threads_and_blocking_loads_read_in_the_loop(llama):
+    overlap = make_engine(llama, read_threads=3)
+    blocking = make_engine(llama, read_threads=3, overlap=False)
+    assert overlap.loader.read.read_threads == 3 and overlap.loader.read.pool is not None
+    assert blocking.loader.read.read_threads == 1 and blocking.loader.read.pool is None
 
 
 def test_reading_into_place_leaves_other_dtypes_to_the_converting_read(llama, tmp_path):
@@ -222,6 +237,63 @@ def test_scattered_reads_go_on_after_short_reads(tmp_path, monkeypatch, iov_max)
         assert all(bytes(buffers[begin]) == data[begin:end] for begin, end in ranges)
         with pytest.raises(OSError, match="ended"):
             gpu_pool.read_scattered(f.fileno(), [(495, memoryview(bytearray(10)))])
+
+
+@pytest.mark.parametrize("parts, min_bytes", [(1, 1), (2, 1), (3, 1), (4, 100), (7, 1), (64, 1), (4, 10_000)])
+def test_split_reads_cut_the_bytes_into_even_file_ordered_groups(parts, min_bytes):
+    """Every byte of every buffer lands in exactly one group, at its own file offset; groups follow each
+    other in file order, hold within one byte of total / groups, and none is under min_bytes unless alone."""
+    from worker.lora.gpu_pool import split_reads
+    rng = random.Random(parts)
+    sizes = [rng.choice([0, 1, 5, 64, 300]) for _ in range(40)]
+    buffers, reads, offset = [], [], 0
+    for size in sizes:
+        offset += rng.choice([0, 0, 3])                       # gaps between some file ranges
+        buffers.append(bytearray(size))
+        reads.append((offset, memoryview(buffers[-1])))
+        offset += size
+    total = sum(sizes)
+    groups = split_reads(list(reversed(reads)), parts, min_bytes)
+    expected_groups = max(1, min(parts, total // min_bytes))
+    assert len(groups) == expected_groups
+    sizes_per_group = [sum(len(b) for _, b in group) for group in groups]
+    assert sum(sizes_per_group) == total and max(sizes_per_group) - min(sizes_per_group) <= 1
+    pieces = [(offset, b) for group in groups for offset, b in group]
+    assert [o for o, _ in pieces] == sorted(o for o, _ in pieces)
+    for offset, b in pieces:                 # write each piece's file offsets into the buffers it views
+        b[:] = bytes((offset + k) % 251 for k in range(len(b)))
+    for (offset, _), buffer in zip(reads, buffers):
+        assert bytes(buffer) == bytes((offset + k) % 251 for k in range(len(buffer)))
+
+
+def test_reads_in_parts_fill_the_buffers_and_wait_for_every_part_before_raising(tmp_path, monkeypatch):
+    from worker.lora import gpu_pool
+    data = bytes(random.Random(1).randrange(256) for _ in range(10_000))
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setattr(gpu_pool, "MIN_PART_BYTES", 100)
+    buffers = [bytearray(n) for n in (3000, 1, 4999, 2000)]
+    offsets = [0, 3000, 3001, 8000]
+    reads = [(o, memoryview(b)) for o, b in zip(offsets, buffers)]
+    assert len(gpu_pool.split_reads(reads, 4)) == 4
+    real, slow_part_done = gpu_pool.read_scattered, threading.Event()
+
+    def read_scattered(fd, group):          # the part at offset 0 ends last
+        if group[0][0] == 0:
+            time.sleep(0.2)
+            real(fd, group)
+            slow_part_done.set()
+        else:
+            real(fd, group)
+    monkeypatch.setattr(gpu_pool, "read_scattered", read_scattered)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool, open(tmp_path / "f", "rb") as f:
+        gpu_pool.read_in_parts(f.fileno(), reads, pool, 4)
+        assert b"".join(buffers) == data
+        # the last part runs past the end of the file: the error comes once the slow part has ended too
+        past_end = [(2600 * i, memoryview(bytearray(2600))) for i in range(4)]
+        slow_part_done.clear()
+        with pytest.raises(OSError, match="ended"):
+            gpu_pool.read_in_parts(f.fileno(), past_end, pool, 4)
+        assert slow_part_done.is_set() and bytes(past_end[0][1]) == data[:2600]
 
 
 def _first_bytes(buffers, n: int) -> list[memoryview]:
@@ -398,7 +470,11 @@ class SlotWatcher:
                                                      (False, "lru", False), (True, "lru", True)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_many_adapters_few_slots_every_output_equals_the_request_alone(llama, variants, overlap, policy, threads,
-                                                                      seed):
+                                                                      seed, monkeypatch):
+    """threads: reads on the loader's threads, each split in parts read side by side (inline otherwise)."""
+    if threads:
+        from worker.lora import gpu_pool
+        monkeypatch.setattr(gpu_pool, "MIN_PART_BYTES", 1000)
     engine = make_engine(llama, variants, overlap=overlap, policy=policy, max_loras=2, max_cpu_loras=3,
                          threads=threads, max_num_seqs=4, max_num_batched_tokens=24)
     SlotWatcher(engine)

@@ -12,6 +12,7 @@ the per-slice scalings; each projection's LoRAWeights are strided views across a
 """
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import time
@@ -29,6 +30,7 @@ from worker.lora.adapter import AdapterBytes, AdapterSource, ModuleBytes, Module
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024   # buffers per os.preadv
+MIN_PART_BYTES = 4 << 20     # a read is split across threads in parts of at least this many bytes
 
 
 def _aligned(n: int) -> int:
@@ -57,6 +59,41 @@ def read_scattered(fd: int, reads: list[tuple[int, memoryview]]) -> None:
                 buffers.pop(0)
             if done:
                 buffers[0] = buffers[0][done:]
+
+
+def split_reads(reads: list[tuple[int, memoryview]], parts: int,
+                min_bytes: int | None = None) -> list[list[tuple[int, memoryview]]]:
+    """`reads` (file offset, buffer) in file order, cut into at most `parts` groups of about equal bytes
+    (none under `min_bytes` unless it is the only one); a buffer that crosses a cut is cut in two."""
+    reads = sorted(reads, key=lambda r: r[0])
+    total = sum(len(buffer) for _, buffer in reads)
+    parts = max(1, min(parts, total // max(1, MIN_PART_BYTES if min_bytes is None else min_bytes)))
+    ends = [(g + 1) * total // parts for g in range(parts)]       # the cut after each group, in bytes
+    groups: list[list[tuple[int, memoryview]]] = [[] for _ in range(parts)]
+    done = g = 0
+    for offset, buffer in reads:
+        while len(buffer):
+            while done >= ends[g]:
+                g += 1
+            take = min(len(buffer), ends[g] - done)
+            groups[g].append((offset, buffer[:take]))
+            offset, buffer, done = offset + take, buffer[take:], done + take
+    return [group for group in groups if group]
+
+
+def read_in_parts(fd: int, reads: list[tuple[int, memoryview]], pool: concurrent.futures.Executor | None,
+                  parts: int) -> None:
+    """read_scattered, with the bytes split into `parts` groups read side by side on `pool`'s threads
+    (page-cache copies run at a few GB/s per thread). Returns once every part has ended; raises the
+    first failure then."""
+    groups = split_reads(reads, parts if pool is not None else 1)
+    if len(groups) <= 1:
+        read_scattered(fd, reads)
+        return
+    futures = [pool.submit(read_scattered, fd, group) for group in groups]
+    concurrent.futures.wait(futures)        # none may still write into the buffer, nor use fd, after this
+    for future in futures:
+        future.result()
 
 
 @dataclass(frozen=True)
@@ -117,12 +154,14 @@ class SlotLayout:
         return self._concatenate(parts, pin)
 
     @torch.no_grad()
-    def read_packed(self, source: AdapterSource, pin: bool, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def read_packed(self, source: AdapterSource, pin: bool, out: torch.Tensor | None = None,
+                    pool: concurrent.futures.Executor | None = None, parts: int = 1) -> torch.Tensor | None:
         """The slot bytes of `source` (adapter.locate_adapter) as `pack` builds them, with the weights read
         from the file straight into place: one scattered read (os.preadv) per file-contiguous run of
         tensors, no staging copy. None when the file stores another dtype than the slots' (read_adapter
         converts it, then pack). The reads release the GIL for their whole length, so a reader thread
         barely holds up the step loop. `out`: a [num_bytes] uint8 buffer to fill (every byte is written).
+        `pool`, `parts`: split the file reads into up to `parts` pieces read side by side on `pool`.
         """
         if source.dtypes != {self.dtype}:
             return None
@@ -156,7 +195,7 @@ class SlotLayout:
                 buf[offset:offset + size] = 0
             offset += size
         with open(source.file, "rb") as f:
-            read_scattered(f.fileno(), reads)
+            read_in_parts(f.fileno(), reads, pool, parts)
         for offset, m, rows in padded:     # [out, R] rows of bytes: the first rank columns read, the rest zero
             b = buf[offset:offset + m.out_features * R * item].reshape(m.out_features, R * item)
             b[:, :m.rank * item] = rows.reshape(m.out_features, m.rank * item)
