@@ -1,9 +1,16 @@
 """Session fixtures shared by the worker and GPU tests."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when a kernel is decorated: set before any test module imports a
+    # kernel, whichever directories a run names and in whatever order
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.hf_fixtures import build_hf_model
 
