@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [replay-check] [host]
-#   [loading] [loading-nostreams] [serve] [serve-sync] [hf]
+#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -73,6 +73,9 @@ for stage in $stages; do
                --batch-size 32 --no-plots \
                --out "$OUT/hf_baseline.json" >> "$OUT/serve.log" 2>&1 ;;
     loading) timeout 360 python3 -m bench.lora_loading --out "$OUT/lora_loading.json" > "$OUT/loading.log" 2>&1 ;;
+    loading-rate32)   # the same adapters and traffic at twice the arrival rate
+             timeout 360 python3 -m bench.lora_loading --rate 32 --out "$OUT/lora_loading_rate32.json" \
+               > "$OUT/loading_rate32.log" 2>&1 ;;
     loading-nostreams)   # the zipf runs without the resident streams, as the first session measured them
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
                --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1

@@ -75,7 +75,8 @@ def test_a_copy_waits_for_the_steps_that_read_its_slot_and_runs_beside_the_other
     second = torch.full_like(first, 2).pin_memory()
     pool.start_load(0, first, 8, "first")
     pool.wait_for([0])
-    torch.cuda.synchronize()
+    pool.slots[0].sum(dtype=torch.int64)   # loads the reduction's kernel now: with CUDA's lazy module loading, a
+    torch.cuda.synchronize()               # first launch behind the sleep below can hold the host until it ends
     pool.finished_loads()
     torch.cuda._sleep(200_000_000)                        # ~0.1 s of device time before the read
     seen = pool.slots[0].sum(dtype=torch.int64)           # the step in flight reads slot 0

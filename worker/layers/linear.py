@@ -1,6 +1,7 @@
 """Linear projections with fused output slices (qkv, gate_up) and per-token-segment LoRA deltas."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,7 @@ class Linear(nn.Module):
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         delta = None
-        with torch.cuda.stream(side):       # None: in line, on the current stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
                              info.num_segments, info.max_seg_len)
             if defer:
