@@ -38,7 +38,7 @@ MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
              "graphs-cublas": ["b1_base", "b1_lora16"]}        # what the small-batch GEMV kernel buys
-PROFILED = ["b1_base", "b32_32lora16"]
+PROFILED = ["b1_base", "b32_base", "b32_32lora16"]
 
 
 def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
