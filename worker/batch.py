@@ -46,6 +46,11 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.seqs
 
+    @property
+    def lora_slots(self) -> set[int]:
+        """The GPU slots whose adapters this batch reads."""
+        return {s.lora_slot for s in self.seqs if s.lora_slot >= 0}
+
 
 @dataclass
 class LoRABatchInfo:

@@ -170,7 +170,7 @@ class Engine:
                 outputs += self._file_tokens()   # nothing can run beside it; its tokens may make room
             elif not self._await_load(deadline, outputs):
                 return outputs
-        self.runner.wait_for_adapters({s.lora_slot for s in batch.seqs if s.lora_slot >= 0})
+        self.runner.wait_for_adapters(batch.lora_slots)
         prev = None if self._in_flight is None else self._in_flight[1]
         launched = (batch, self.runner.execute(batch, prev))
         outputs += self._launched(batch)

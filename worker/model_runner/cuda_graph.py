@@ -109,7 +109,7 @@ class CUDAGraphRunner:
         shape = self.shape_for(batch)
         if shape is None:
             return None
-        lora = any(s.lora_slot >= 0 for s in batch.seqs)
+        lora = bool(batch.lora_slots)
         self._build(*shape, batch, lora, prev_tokens)
         graph, logits = self.graphs[(*shape, lora)]
         graph.replay()

@@ -116,7 +116,7 @@ class ModelRunner:
             logits = self.model(forward_batch, self.kv_pool.caches)    # [num_logits, vocab]
             prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
             logits = logits[len(logits) - len(forward_batch.sample_rows):]   # [num_sampling_seqs, vocab]
-        self.lora_pool.record_use({s.lora_slot for s in batch.seqs if s.lora_slot >= 0})
+        self.lora_pool.record_use(batch.lora_slots)
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
                             s.request.num_pending, s.request.pending_row) for s in batch.seqs if s.samples]
         if not rows:
