@@ -86,7 +86,7 @@ def read_in_parts(fd: int, reads: list[tuple[int, memoryview]], pool: concurrent
     """read_scattered, with the bytes split into `parts` groups read side by side on `pool`'s threads
     (page-cache copies run at a few GB/s per thread). Returns once every part has ended; raises the
     first failure then."""
-    groups = split_reads(reads, parts if pool is not None else 1)
+    groups = split_reads(reads, parts) if pool is not None and parts > 1 else [reads]
     if len(groups) <= 1:
         read_scattered(fd, reads)
         return
