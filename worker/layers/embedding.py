@@ -25,6 +25,7 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
         self.gemv_max_rows = 0        # set by the GPU runner, as on Linear
+        self.skinny_max_rows = 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project(hidden, self.weight, None, self.gemv_max_rows)      # [num_rows, vocab]
+        return project(hidden, self.weight, None, self.gemv_max_rows, self.skinny_max_rows)   # [num_rows, vocab]

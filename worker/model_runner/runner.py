@@ -26,11 +26,15 @@ logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 2     # batches up to this size use kernels/gemv.py (<= its MAX_ROWS); at 4 cuBLAS is faster
 
 
-def set_gemv_max_rows(model: torch.nn.Module, rows: int) -> None:
-    """Route projections of at most `rows` rows (decode at batch 1-2) to the small-batch kernel."""
+def set_small_batch_rows(model: torch.nn.Module, gemv_rows: int, skinny_rows: int, fuse_lora: bool) -> None:
+    """Route projections of at most `gemv_rows` rows (decode at batch 1-2) to the small-batch GEMV and those of
+    up to `skinny_rows` to kernels/lora_gemm.py (layers/linear.project), there with the decode steps' LoRA
+    when `fuse_lora`."""
     for module in model.modules():
         if isinstance(module, (Linear, LMHead)):
-            module.gemv_max_rows = rows
+            module.gemv_max_rows, module.skinny_max_rows = gemv_rows, skinny_rows
+        if isinstance(module, Linear):
+            module.fuse_decode_lora = fuse_lora
 
 
 @dataclass
@@ -67,8 +71,14 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         m = config.model
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, m.seed)
-        if device.type == "cuda" and config.small_batch_gemv:
-            set_gemv_max_rows(self.model, GEMV_MAX_ROWS)
+        if device.type == "cuda":
+            skinny_rows = 0
+            if config.skinny_gemm:
+                from worker.kernels import lora_gemm     # Triton; imported here so CPU installs need none
+                lora_gemm.sync_buffer(device)            # before any graph capture
+                skinny_rows = lora_gemm.MAX_ROWS
+            set_small_batch_rows(self.model, GEMV_MAX_ROWS if config.small_batch_gemv else 0, skinny_rows,
+                                 config.fused_decode_lora)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.lora.lora_side_stream)
         self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
