@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
-# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [lora-gemm] [replay-check] [host]
+# Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
@@ -57,9 +57,9 @@ for stage in $stages; do
              done
              (exit $failed) ;;
     host)    timeout 200 python3 -m bench.host_profile --out "$OUT/host_profile.json" > "$OUT/host_profile.log" 2>&1 ;;
-    lora-gemm)   # the one-launch decode projection with LoRA against cuBLAS + the LoRA kernels, config sweep
-             timeout 420 python3 -m bench.kernels_lora_gemm --sweep --rows ${LORA_GEMM_ROWS:-32} \
-               --out "$OUT/kernels_lora_gemm.json" > "$OUT/lora_gemm.log" 2>&1 ;;
+    skinny)  # the skinny projection kernel against cuBLAS; SKINNY_ROWS: rows of x (default 32), swept
+             timeout 420 python3 -m bench.kernels_skinny --sweep --rows ${SKINNY_ROWS:-32} \
+               --out "$OUT/kernels_skinny.json" > "$OUT/skinny.log" 2>&1 ;;
     gemv)    timeout 300 python3 -m bench.kernels_gemv --sweep --out "$OUT/kernels_gemv.json" > "$OUT/gemv.log" 2>&1 ;;
     serve)   failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done

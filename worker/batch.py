@@ -52,10 +52,6 @@ class ScheduledBatch:
         return {s.lora_slot for s in self.seqs if s.lora_slot >= 0}
 
 
-TOKEN_SLOTS_MAX = 64    # decode steps of at most this many sequences also get each token's slot
-                        # (LoRABatchInfo.token_slots)
-
-
 @dataclass
 class LoRABatchInfo:
     """LoRA metadata of one step. Tokens are grouped into segments of one adapter each.
@@ -73,10 +69,6 @@ class LoRABatchInfo:
     # only, whose host cost is paid once at capture. Eager steps are bound by the host's launches, and the
     # fork and join would add to them while saving device time nobody waits for.
     overlap: bool = False
-    # each token's slot (-1: none, graph padding too) in decode steps (one new token per sequence) of at most
-    # TOKEN_SLOTS_MAX sequences, else None: the decode projection with LoRA (kernels/lora_gemm.py) reads
-    # it. Decode steps only: a prompt's LoRA runs in the same kernels whatever else shares its step.
-    token_slots: "torch.Tensor | None" = None
     # host copies for the reference path, which loops over segments on the CPU
     seg_indptr_host: list[int] = field(default_factory=list)
     weight_indices_host: list[int] = field(default_factory=list)

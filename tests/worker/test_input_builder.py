@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.batch import TOKEN_SLOTS_MAX, ScheduledBatch, ScheduledSeq
+from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.ipc.messages import SamplingParams
 from worker.model_runner.input_builder import InputBuilder
 from worker.request import Request
@@ -89,28 +89,6 @@ def test_mixed_graph_padding_fills_fixed_shapes():
     assert fb.lora.seg_indptr_host == [0, 3, 4, 5, 5, 5] and fb.lora.weight_indices_host == [0, -1, 0, -1, -1]
     assert (fb.lora.num_segments, fb.lora.max_seg_len, fb.lora.overlap) == (5, 8, False)
     assert fb.lora.seg_indptr.tolist() == [0, 3, 4, 5, 5, 5]
-
-
-def test_decode_steps_carry_each_tokens_adapter_slot():
-    """Decode steps of at most TOKEN_SLOTS_MAX sequences get each token's slot (-1: none, also on padding rows)
-    for the decode projection with LoRA (kernels/lora_gemm.py), whether segments merge or not; steps with
-    prompt tokens and larger steps get none."""
-    builder = make_builder()
-    decode = ScheduledBatch([seq("a", [5, 6], [7], 2, 1, slot=0), seq("b", [8], [9], 1, 1),
-                             seq("c", [8], [9], 1, 1, slot=0), seq("d", [8], [9], 1, 1, slot=0)])
-    fb = builder.build(decode)
-    assert fb.lora.weight_indices_host == [0, -1, 0] and fb.lora.token_slots.tolist() == [0, -1, 0, 0]
-    assert builder.build(decode, pad_to=6).lora.token_slots.tolist() == [0, -1, 0, 0, -1, -1]
-    mixed = ScheduledBatch([seq("prefill", [11, 12, 13], [], 0, 3, slot=0), seq("decode-lora", [31], [32], 1, 1,
-                                                                                 slot=0)])
-    assert builder.build(mixed).lora.token_slots is None
-    assert builder.build(mixed, mixed_pad=(8, 5)).lora.token_slots is None
-    big = InputBuilder(max_num_tokens=2 * TOKEN_SLOTS_MAX, max_num_seqs=2 * TOKEN_SLOTS_MAX, max_blocks_per_seq=4,
-                       block_size=4, device=torch.device("cpu"), lora_ranks_host=[8, 0],
-                       lora_ranks=torch.tensor([8, 0]))
-    many = [seq(f"r{i}", [5, 6], [7], 2, 1, slot=i % 2 - 1) for i in range(TOKEN_SLOTS_MAX + 1)]
-    assert big.build(ScheduledBatch(many)).lora.token_slots is None
-    assert big.build(ScheduledBatch(many[:-1])).lora.token_slots.tolist() == [-1, 0] * (TOKEN_SLOTS_MAX // 2)
 
 
 def test_mixed_graph_padding_gives_the_unpadded_logits(hf_models):

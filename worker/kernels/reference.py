@@ -127,31 +127,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.to(x.dtype)
 
 
-def lora_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
-              slots: list[int], ranks: list[int], scalings: torch.Tensor, slice_offsets: list[int]) -> torch.Tensor:
-    """Semantics of kernels/lora_gemm.py, row m with slot w = slots[m] (-1: no adapter), slice s, r < ranks[w]:
-        xa[m, s*R + r] = round(sum_k x[m, k] * a[w, s*R + r, k])
-        y[m, n] = round(sum_k x[m, k] * weight[n, k] (+ bias[n])
-                        + scalings[w, s] * sum_r xa[m, s*R + r] * b[w, n, r])    for n in slice s
-    all sums in float32, one rounding into x's dtype.
-
-    x: [M, K]; weight: [N, K]; a: [num_slots, num_slices * R, K]; b: [num_slots, N, R] -> y: [M, N]
-    """
-    y = x.float() @ weight.float().T
-    if bias is not None:
-        y += bias.float()
-    max_rank = b.shape[2]
-    for m, w in enumerate(slots[:x.shape[0]]):
-        if w < 0:
-            continue
-        r = ranks[w]
-        for s in range(len(slice_offsets) - 1):
-            o0, o1 = slice_offsets[s], slice_offsets[s + 1]
-            xa = (x[m].float() @ a[w, s * max_rank:s * max_rank + r].float().T).to(x.dtype)
-            y[m, o0:o1] += scalings[w, s].float() * (xa.float() @ b[w, o0:o1, :r].float().T)
-    return y.to(x.dtype)
-
-
 def tile_map(indptr: list[int], num_groups: int, block: int, num_tiles: int) -> list[tuple[int, int]]:
     """Semantics of kernels/tiles.locate_tile for tiles 0..num_tiles-1: groups [indptr[i], indptr[i+1]) cut
     into block-row tiles, numbered group after group; (group, first row) of each tile, (-1, 0) past the last."""

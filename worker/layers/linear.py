@@ -35,22 +35,18 @@ class LoRAWeights:
 MAX_DEFERRED_TOKENS = 256
 
 
-# Slot ranks (max_lora_rank) the decode projection with LoRA compiles for: powers of two (kernels/lora_gemm.py)
-FUSED_SLOT_RANKS = (8, 16, 32, 64, 128)
-
-
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_rows: int,
             skinny_max_rows: int = 0) -> torch.Tensor:
     """x @ weight^T (+ bias): on a GPU, at most `gemv_max_rows` rows go through the small-batch kernel
     (kernels/gemv.py: no split-K, W read once at full bandwidth), up to `skinny_max_rows` through
-    kernels/lora_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS."""
+    kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS."""
     rows = x.shape[0]
     if x.is_cuda and 0 < rows <= max(gemv_max_rows, skinny_max_rows) and x.stride(1) == 1 and weight.is_contiguous():
         if rows <= gemv_max_rows:
             from worker.kernels.gemv import gemv     # Triton; imported here so CPU installs need none
             return gemv(x, weight, bias)
-        from worker.kernels.lora_gemm import lora_gemm
-        return lora_gemm(x, weight, bias)
+        from worker.kernels.skinny_gemm import skinny_gemm
+        return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -69,8 +65,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
         self.gemv_max_rows = 0                 # set by the GPU runner: batches this small skip cuBLAS (project())
-        self.skinny_max_rows = 0               # likewise; kernels/lora_gemm.py up to this many rows
-        self.fuse_decode_lora = False          # set by the GPU runner: decode steps' LoRA inside lora_gemm too
+        self.skinny_max_rows = 0               # likewise, for kernels/skinny_gemm.py
 
     def load_shard(self, param: str, shard: int | None, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor into the whole parameter (shard None) or into one output slice."""
@@ -86,8 +81,6 @@ class Linear(nn.Module):
         if self.lora is None or lora_info is None or lora_info.max_rank == 0:
             return project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows)
         if x.is_cuda:
-            if self._fuses(x, lora_info):
-                return self._forward_fused(x, lora_info)
             return self._forward_lora_cuda(x, lora_info, defer=False)[0]
         y = F.linear(x, self.weight, self.bias)
         w, info = self.lora, lora_info
@@ -104,27 +97,12 @@ class Linear(nn.Module):
         is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
         the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
         large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, not a
-        CUDA-graph batch (LoRABatchInfo.overlap), not a decode step, or a step kernels/lora_gemm.py takes whole."""
+        CUDA-graph batch (LoRABatchInfo.overlap) or not a decode step."""
         w = self.lora
         if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.lora_stream is None
-                or not lora_info.overlap or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS
-                or self._fuses(x, lora_info)):
+                or not lora_info.overlap or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS):
             return self.forward(x, lora_info), None
         return self._forward_lora_cuda(x, lora_info, defer=True)
-
-    def _fuses(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
-        """Whether the projection runs with its LoRA in kernels/lora_gemm.py (the rows' xa in one launch, then W
-        and the rows' B streamed in the next): steps of more rows than the small-batch GEMV takes and at most
-        skinny_max_rows, with each token's slot at hand (decode steps) and a slot rank the kernel compiles for."""
-        return (self.fuse_decode_lora and self.gemv_max_rows < x.shape[0] <= self.skinny_max_rows
-                and info.token_slots is not None
-                and x.stride(1) == 1 and self.lora.b.shape[2] in FUSED_SLOT_RANKS)
-
-    def _forward_fused(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        from worker.kernels.lora_gemm import RowLoRA, lora_gemm    # Triton; imported here so CPU installs need none
-        w = self.lora
-        return lora_gemm(x, self.weight, self.bias,
-                         RowLoRA(w.a, w.b, info.token_slots, info.ranks, w.scalings, w.slice_offsets))
 
     def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo, defer: bool) -> tuple[torch.Tensor,
                                                                                            torch.Tensor | None]:

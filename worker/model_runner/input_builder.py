@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from worker.batch import TOKEN_SLOTS_MAX, ForwardBatch, LoRABatchInfo, ScheduledBatch
+from worker.batch import ForwardBatch, LoRABatchInfo, ScheduledBatch
 
 
 class InputBuilder:
@@ -31,7 +31,7 @@ class InputBuilder:
                   "slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
                   "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
                   "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
-                  "weight_indices": ([max_num_tokens], i32), "token_slots": ([TOKEN_SLOTS_MAX], i32),
+                  "weight_indices": ([max_num_tokens], i32),
                   "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64)}
         # all fields are views of one byte buffer per side, so a step's inputs go over in one copy
         self._host_bufs = [_byte_buffer(shapes, torch.device("cpu"), pin) for _ in range(2)]
@@ -161,15 +161,10 @@ class InputBuilder:
         h = self._host_np[self._current]
         h["seg_indptr"][:len(indptr)] = indptr
         h["weight_indices"][:len(weights)] = weights
-        token_slots = None
-        if mixed_pad is None and indptr[-1] <= TOKEN_SLOTS_MAX and all(s.num_new_tokens == 1 for s in batch.seqs):
-            for w, lo, hi in zip(weights, indptr, indptr[1:]):
-                h["token_slots"][lo:hi] = w
-            token_slots = self.dev["token_slots"][:indptr[-1]]
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
                              max_rank=max_rank, max_seg_len=max_seg_len,
-                             overlap=pad_to is not None or self.eager_overlap, token_slots=token_slots,
+                             overlap=pad_to is not None or self.eager_overlap,
                              seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
 
     def _to_device(self) -> None:

@@ -26,15 +26,12 @@ logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 2     # batches up to this size use kernels/gemv.py (<= its MAX_ROWS); at 4 cuBLAS is faster
 
 
-def set_small_batch_rows(model: torch.nn.Module, gemv_rows: int, skinny_rows: int, fuse_lora: bool) -> None:
+def set_small_batch_rows(model: torch.nn.Module, gemv_rows: int, skinny_rows: int) -> None:
     """Route projections of at most `gemv_rows` rows (decode at batch 1-2) to the small-batch GEMV and those of
-    up to `skinny_rows` to kernels/lora_gemm.py (layers/linear.project), there with the decode steps' LoRA
-    when `fuse_lora`."""
+    up to `skinny_rows` to kernels/skinny_gemm.py (layers/linear.project)."""
     for module in model.modules():
         if isinstance(module, (Linear, LMHead)):
             module.gemv_max_rows, module.skinny_max_rows = gemv_rows, skinny_rows
-        if isinstance(module, Linear):
-            module.fuse_decode_lora = fuse_lora
 
 
 @dataclass
@@ -74,11 +71,10 @@ class ModelRunner:
         if device.type == "cuda":
             skinny_rows = 0
             if config.skinny_gemm:
-                from worker.kernels import lora_gemm     # Triton; imported here so CPU installs need none
-                lora_gemm.sync_buffer(device)            # before any graph capture
-                skinny_rows = lora_gemm.MAX_ROWS
-            set_small_batch_rows(self.model, GEMV_MAX_ROWS if config.small_batch_gemv else 0, skinny_rows,
-                                 config.fused_decode_lora)
+                from worker.kernels import skinny_gemm   # Triton; imported here so CPU installs need none
+                skinny_gemm.sync_buffer(device)          # before any graph capture
+                skinny_rows = skinny_gemm.MAX_ROWS
+            set_small_batch_rows(self.model, GEMV_MAX_ROWS if config.small_batch_gemv else 0, skinny_rows)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.lora.lora_side_stream)
         self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
@@ -90,7 +86,8 @@ class ModelRunner:
         self.sampler = Sampler(arch.vocab_size, seed=m.seed, device=device, eos_token_ids=list(arch.eos_token_ids))
         self.graph_runner = None
         if device.type == "cuda":
-            self._warm_up(config.cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80))
+            self._warm_up(config.cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80),
+                          sched.max_num_seqs)
         if device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
                                                 sched.max_num_seqs,
@@ -134,16 +131,16 @@ class ModelRunner:
         return StepHandle(logits, self.sampler(logits, rows, prev_tokens).copy_to_host(), prompt_logprobs)
 
     @torch.inference_mode()
-    def _warm_up(self, block_size: int, long_len: int) -> None:
+    def _warm_up(self, block_size: int, long_len: int, max_seqs: int) -> None:
         """Compile the Triton kernels' prefill and mixed-batch variants now, not on the first requests:
-        one long prompt, short prompts, and a short prompt beside a decode token, each with LoRA on
-        (the slot-0 adapter at whatever rank it has, 0 included) and off. K/V go to the first blocks,
-        which no request owns yet and whose contents a request overwrites before reading."""
+        one long prompt, short prompts, and a short prompt beside a decode token (as many as a step may
+        hold), each with LoRA on (the slot-0 adapter at whatever rank it has, 0 included) and off. K/V go to
+        the first blocks, which no request owns yet and whose contents a request overwrites before reading."""
         start = time.perf_counter()
         shapes = [[long_len], [3, 3], [12, 1]]
         for lens in shapes:
             batch = ScheduledBatch()
-            for n in lens:
+            for n in lens[:max_seqs]:
                 request = Request("warm-up", [0] * n, SamplingParams(max_tokens=1), 0)
                 request.block_ids = list(range(-(-n // block_size)))
                 batch.seqs.append(ScheduledSeq(request, 0, n, 0))

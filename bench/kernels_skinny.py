@@ -1,0 +1,113 @@
+"""GPU micro-benchmark of the skinny projection kernel (worker/kernels/skinny_gemm.py) against cuBLAS.
+
+At Llama-3.1-8B's projection shapes and `--rows` rows of x (the engine sends it 3-64), times F.linear
+(cuBLAS, as the engine ran before), the small-batch GEMV (kernels/gemv.py) where it takes the rows, and the
+kernel under its default config (with `--sweep`, under every candidate config). Each timing is one CUDA graph
+of `--iters` calls cycling over enough copies of the weight (>= 256 MB in all) that no call finds its W in L2,
+as in a decode step. Bandwidth = bytes of W / time, also as a share of the measured copy bandwidth.
+
+    python3 -m bench.kernels_skinny --out skinny.json [--sweep] [--rows 32 8]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from bench.decode_step import copy_bandwidth
+from bench.kernels_lora import graph_time_us
+from worker.kernels import gemv, skinny_gemm as sg
+
+logger = logging.getLogger(__name__)
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}   # launches per Llama-3.1-8B step
+VARIANTS = ("cublas", "gemv", "default", "best")
+
+
+def candidates(n: int, k: int, rows: int = 32) -> list[sg.Config]:
+    """Column tiles of 64 or 128, K steps of 128 or 256, as many stages (up to 5) as fit sg.SMEM_BYTES, K parts
+    giving 96-640 programs (1 when the column tiles alone are that many)."""
+    out = []
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    for block_n, block_k in itertools.product((64, 128), (128, 256)):
+        stages = min(5, sg.SMEM_BYTES // ((block_n + block_m) * block_k * 2))
+        tiles = -(-n // block_n)
+        splits = [s for s in (1, 2, 4, 8) if 96 <= tiles * s <= 640 and k // s >= 2 * block_k] or [1]
+        out += [sg.Config(block_n, block_k, s, 4, stages) for s in splits]
+    return out
+
+
+def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:
+    n, k = SHAPES[name]
+    w_bytes = n * k * 2
+    copies = max(2, -(-(256 << 20) // w_bytes))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+
+    def time_of(call) -> float:
+        return graph_time_us([lambda w=w: call(w) for w in weights], iters)
+
+    def entry(us: float) -> dict:
+        gbps = w_bytes / us / 1e3
+        return {"us": round(us, 2), "GBps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)}
+
+    default = sg.default_config(rows, n, k)
+    result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": w_bytes, "default_config": vars(default),
+              "cublas": entry(time_of(lambda w: F.linear(x, w))),
+              "default": entry(time_of(lambda w: sg.skinny_gemm(x, w)))}
+    if rows <= gemv.MAX_ROWS:
+        result["gemv"] = entry(time_of(lambda w: gemv.gemv(x, w)))
+    if sweep:
+        timings = [(cfg, time_of(lambda w, cfg=cfg: sg.skinny_gemm(x, w, cfg=cfg))) for cfg in candidates(n, k, rows)]
+        best_cfg, best_us = min(timings, key=lambda t: t[1])
+        result["best_config"], result["best"] = vars(best_cfg), entry(best_us)
+        result["sweep"] = [[vars(cfg), round(us, 2)] for cfg, us in timings]
+    del weights
+    torch.cuda.empty_cache()
+    logger.info("%s rows=%d: %s", name, rows, {v: result[v] for v in VARIANTS if v in result})
+    return result
+
+
+def step_totals(results: list[dict]) -> dict:
+    """Per row count with every shape timed: one Llama-3.1-8B decode step's projections under each variant (ms)."""
+    totals = {}
+    for rows in sorted({r["rows"] for r in results}):
+        sel = [r for r in results if r["rows"] == rows]
+        if {r["shape"] for r in sel} != set(SHAPES):
+            continue
+        totals[rows] = {v: round(sum(PER_STEP[r["shape"]] * r[v]["us"] for r in sel) / 1e3, 3)
+                        for v in VARIANTS if all(v in r for r in sel)}
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the results")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32], help="rows of x (decode batch sizes)")
+    parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels_skinny needs a CUDA device")
+    copy_gbps = copy_bandwidth() / 1e9
+    results = []
+    for rows in args.rows:
+        for name in SHAPES:
+            results.append(run_shape(name, rows, args.iters, args.sweep, copy_gbps))
+            payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
+                       "results": results, "step_ms": step_totals(results)}
+            with open(args.out, "w") as f:      # rewritten after each shape: a cut-off run keeps what it has
+                json.dump(payload, f, indent=1)
+    for rows, totals in payload["step_ms"].items():
+        print(f"rows={rows}: projections per decode step (ms): {totals}")
+
+
+if __name__ == "__main__":
+    main()
