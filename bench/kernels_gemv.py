@@ -13,6 +13,7 @@ Bandwidth = bytes of W / time, also given as a share of the device's measured co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -39,8 +40,11 @@ def candidates(rows: int) -> list[tuple[int, int, int, int]]:
     return [(block_m, n, k, w) for n, k, w in itertools.product((2, 4, 8, 16), ks, (4, 8))]
 
 
-def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:
-    n, k = SHAPES[name]
+@contextlib.contextmanager
+def projection_timer(n: int, k: int, rows: int, iters: int, copy_gbps: float):
+    """(x, time_of, entry): x [rows, k] bf16; time_of(call) times call(w) in one CUDA graph of `iters` calls
+    cycling over copies of a bf16 W [n, k] (>= 256 MB in all, so none is in L2); entry(us) gives the time
+    with W's bandwidth. The copies are freed on exit."""
     w_bytes = n * k * 2
     copies = max(2, -(-(256 << 20) // w_bytes))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
@@ -53,17 +57,25 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -
         gbps = w_bytes / us / 1e3
         return {"us": round(us, 2), "GBps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)}
 
+    try:
+        yield x, time_of, entry
+    finally:
+        weights.clear()
+        torch.cuda.empty_cache()
+
+
+def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:
+    n, k = SHAPES[name]
     default = gemv.config(rows, n, k)
-    result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": w_bytes,
-              "cublas": entry(time_of(lambda w: F.linear(x, w))),
-              "default_config": list(default), "default": entry(time_of(lambda w: gemv.gemv(x, w)))}
-    if sweep:
-        timings = [(cfg, time_of(lambda w, cfg=cfg: gemv.gemv(x, w, cfg=cfg))) for cfg in candidates(rows)]
-        best_cfg, best_us = min(timings, key=lambda t: t[1])
-        result["best_config"], result["best"] = list(best_cfg), entry(best_us)
-        result["sweep"] = [[list(cfg), round(us, 2)] for cfg, us in timings]
-    del weights
-    torch.cuda.empty_cache()
+    with projection_timer(n, k, rows, iters, copy_gbps) as (x, time_of, entry):
+        result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": n * k * 2,
+                  "cublas": entry(time_of(lambda w: F.linear(x, w))),
+                  "default_config": list(default), "default": entry(time_of(lambda w: gemv.gemv(x, w)))}
+        if sweep:
+            timings = [(cfg, time_of(lambda w, cfg=cfg: gemv.gemv(x, w, cfg=cfg))) for cfg in candidates(rows)]
+            best_cfg, best_us = min(timings, key=lambda t: t[1])
+            result["best_config"], result["best"] = list(best_cfg), entry(best_us)
+            result["sweep"] = [[list(cfg), round(us, 2)] for cfg, us in timings]
     logger.info("%s rows=%d: cublas %s, default %s %s, best %s %s", name, rows, result["cublas"],
                 default, result["default"], result.get("best_config"), result.get("best"))
     return result

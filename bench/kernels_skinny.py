@@ -19,14 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.decode_step import copy_bandwidth
-from bench.kernels_lora import graph_time_us
+from bench.kernels_gemv import PER_STEP, SHAPES, projection_timer
 from worker.kernels import gemv, skinny_gemm as sg
 
 logger = logging.getLogger(__name__)
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-          "lm_head": (128256, 4096)}
-PER_STEP = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "lm_head": 1}   # launches per Llama-3.1-8B step
 VARIANTS = ("cublas", "gemv", "default", "best")
 
 
@@ -45,31 +42,19 @@ def candidates(n: int, k: int, rows: int = 32) -> list[sg.Config]:
 
 def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:
     n, k = SHAPES[name]
-    w_bytes = n * k * 2
-    copies = max(2, -(-(256 << 20) // w_bytes))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-
-    def time_of(call) -> float:
-        return graph_time_us([lambda w=w: call(w) for w in weights], iters)
-
-    def entry(us: float) -> dict:
-        gbps = w_bytes / us / 1e3
-        return {"us": round(us, 2), "GBps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)}
-
     default = sg.default_config(rows, n, k)
-    result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": w_bytes, "default_config": vars(default),
-              "cublas": entry(time_of(lambda w: F.linear(x, w))),
-              "default": entry(time_of(lambda w: sg.skinny_gemm(x, w)))}
-    if rows <= gemv.MAX_ROWS:
-        result["gemv"] = entry(time_of(lambda w: gemv.gemv(x, w)))
-    if sweep:
-        timings = [(cfg, time_of(lambda w, cfg=cfg: sg.skinny_gemm(x, w, cfg=cfg))) for cfg in candidates(n, k, rows)]
-        best_cfg, best_us = min(timings, key=lambda t: t[1])
-        result["best_config"], result["best"] = vars(best_cfg), entry(best_us)
-        result["sweep"] = [[vars(cfg), round(us, 2)] for cfg, us in timings]
-    del weights
-    torch.cuda.empty_cache()
+    with projection_timer(n, k, rows, iters, copy_gbps) as (x, time_of, entry):
+        result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": n * k * 2,
+                  "default_config": vars(default), "cublas": entry(time_of(lambda w: F.linear(x, w))),
+                  "default": entry(time_of(lambda w: sg.skinny_gemm(x, w)))}
+        if rows <= gemv.MAX_ROWS:
+            result["gemv"] = entry(time_of(lambda w: gemv.gemv(x, w)))
+        if sweep:
+            timings = [(cfg, time_of(lambda w, cfg=cfg: sg.skinny_gemm(x, w, cfg=cfg)))
+                       for cfg in candidates(n, k, rows)]
+            best_cfg, best_us = min(timings, key=lambda t: t[1])
+            result["best_config"], result["best"] = vars(best_cfg), entry(best_us)
+            result["sweep"] = [[vars(cfg), round(us, 2)] for cfg, us in timings]
     logger.info("%s rows=%d: %s", name, rows, {v: result[v] for v in VARIANTS if v in result})
     return result
 
