@@ -1,6 +1,6 @@
 """GPU micro-benchmark of the skinny projection kernel (worker/kernels/skinny_gemm.py) against cuBLAS.
 
-At Llama-3.1-8B's projection shapes and `--rows` rows of x (the engine sends it 3-64), times F.linear
+At Llama-3.1-8B's projection shapes and `--rows` rows of x (the engine sends it 3-32), times F.linear
 (cuBLAS, as the engine ran before), the small-batch GEMV (kernels/gemv.py) where it takes the rows, and the
 kernel under its default config (with `--sweep`, under every candidate config). Each timing is one CUDA graph
 of `--iters` calls cycling over enough copies of the weight (>= 256 MB in all) that no call finds its W in L2,

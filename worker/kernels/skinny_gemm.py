@@ -1,4 +1,4 @@
-"""Projection of a few rows: y = x @ W^T (+ b) for 3-64 rows of x, with the weight as the tensor cores' wide operand.
+"""Projection of a few rows: y = x @ W^T (+ b) for up to 64 rows of x, the weight as the tensor cores' wide operand.
 
 At decode batch sizes a projection is bound by the bytes of W. cuBLAS reads them at 2.1-2.7 TB/s at 32 rows
 on an H100 (Llama-3.1-8B shapes; BENCHMARKS.md). Here operands are swapped: a program owns BLOCK_N output

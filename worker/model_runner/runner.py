@@ -24,6 +24,8 @@ from worker.request import Request
 
 logger = logging.getLogger(__name__)
 GEMV_MAX_ROWS = 2     # batches up to this size use kernels/gemv.py (<= its MAX_ROWS); at 4 cuBLAS is faster
+SKINNY_MAX_ROWS = 32  # larger ones up to this size kernels/skinny_gemm.py (4.3% under cuBLAS at 32 rows, 1.1% over
+                      # at 64: BENCHMARKS.md)
 
 
 def set_small_batch_rows(model: torch.nn.Module, gemv_rows: int, skinny_rows: int) -> None:
@@ -73,7 +75,7 @@ class ModelRunner:
             if config.skinny_gemm:
                 from worker.kernels import skinny_gemm   # Triton; imported here so CPU installs need none
                 skinny_gemm.sync_buffer(device)          # before any graph capture
-                skinny_rows = skinny_gemm.MAX_ROWS
+                skinny_rows = min(SKINNY_MAX_ROWS, skinny_gemm.MAX_ROWS)
             set_small_batch_rows(self.model, GEMV_MAX_ROWS if config.small_batch_gemv else 0, skinny_rows)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.lora.lora_side_stream)
