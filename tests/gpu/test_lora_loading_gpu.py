@@ -50,8 +50,8 @@ def test_fp32_tokens_equal_the_cpu_run_whatever_the_loading(hf_models, overlap, 
 def test_bf16_tokens_are_the_same_with_overlap_on_and_off(hf_models):
     """One sequence per step, so both modes run the same steps and only when the copies run differs (beside
     the steps, or inside them): every bf16 token is the same. (With several sequences per step the modes batch
-    requests differently, and a request's bf16 rounding then depends on its step's row count: steps of 1-2 rows
-    take the GEMV, of 3-32 the skinny kernel, larger ones cuBLAS. The fp32 test above covers that traffic.)"""
+    requests differently, and a request's bf16 rounding may then depend on its step's row count: steps of 1-2
+    rows take the GEMV, larger ones cuBLAS (or the skinny kernel). The fp32 test above covers that traffic.)"""
     llama = hf_models["llama"]
     runs = [run(make_engine(llama, "cuda", "bfloat16", overlap, enforce_eager=False, max_num_seqs=1))
             for overlap in (True, False)]

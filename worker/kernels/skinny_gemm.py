@@ -1,6 +1,6 @@
 """Projection of a few rows: y = x @ W^T (+ b) for up to 64 rows of x, the weight as the tensor cores' wide operand.
 
-At decode batch sizes a projection is bound by the bytes of W. cuBLAS reads them at 2.1-2.7 TB/s at 32 rows
+At decode batch sizes a projection is bound by the bytes of W. cuBLAS reads them at 2.0-2.8 TB/s at 32 rows
 on an H100 (Llama-3.1-8B shapes; BENCHMARKS.md). Here operands are swapped: a program owns BLOCK_N output
 columns of every row and computes acc^T = W_tile @ x^T, so W is the wide operand ([BLOCK_N, BLOCK_K],
 K-contiguous as stored, streamed through a deep software pipeline) and the few rows of x the narrow one.
