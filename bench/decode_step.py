@@ -61,7 +61,7 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
-                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = True) -> Engine:
+                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = False) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
