@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 
-import torch
 import torch.nn.functional as F
 
-from bench.decode_step import copy_bandwidth
-from bench.kernels_gemv import PER_STEP, SHAPES, projection_timer
+from bench.kernels_gemv import PER_STEP, SHAPES, projection_timer, time_projections
 from worker.kernels import gemv, skinny_gemm as sg
 
 logger = logging.getLogger(__name__)
@@ -78,20 +75,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.kernels_skinny needs a CUDA device")
-    copy_gbps = copy_bandwidth() / 1e9
-    results = []
-    for rows in args.rows:
-        for name in SHAPES:
-            results.append(run_shape(name, rows, args.iters, args.sweep, copy_gbps))
-            payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
-                       "results": results, "step_ms": step_totals(results)}
-            with open(args.out, "w") as f:      # rewritten after each shape: a cut-off run keeps what it has
-                json.dump(payload, f, indent=1)
-    for rows, totals in payload["step_ms"].items():
-        print(f"rows={rows}: projections per decode step (ms): {totals}")
+    time_projections("kernels_skinny", args, args.rows, run_shape, step_totals)
 
 
 if __name__ == "__main__":
