@@ -1,0 +1,185 @@
+"""GPU micro-benchmark of a decode projection with its LoRA, every row with its own adapter, as a step runs it.
+
+At Llama-3.1-8B's LoRA projection shapes (qkv, o, gate_up, down) and `--rows` decode rows, each on its own
+rank-16 adapter (slots of rank 16), times per shape:
+- `gemm`: the base projection alone (cuBLAS, as the engine runs 3+ rows; `--skinny`: kernels/skinny_gemm.py);
+- `lora`: lora_shrink then lora_expand into y, without the GEMM (the adapter bytes' own bandwidth);
+- `inline`: the GEMM, then the shrink and the expand into y (the eager path);
+- `beside`: the shrink and the expand into a float32 delta on a second, high-priority stream, forked before
+  the GEMM and joined after it (the decode-graph path of layers/linear.py; the next kernel's add of the delta
+  is not counted).
+Each timing is one CUDA graph of `--iters` calls cycling over enough copies of W and of the slot pool
+(>= 256 MB in all) that no call finds its bytes in L2, as in a decode step. With `--sweep`, `inline` and
+`beside` are also timed over the kernels' block configs, coordinate-wise: every expand candidate under the
+default shrink, then every shrink candidate under the best expand. Bandwidth = bytes that must be read / time.
+
+    python3 -m bench.kernels_lora_decode --out lora_decode.json [--sweep] [--rows 32] [--skinny]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from bench.decode_step import copy_bandwidth
+from bench.kernels_lora import graph_time_us
+from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
+
+logger = logging.getLogger(__name__)
+
+SHAPES = {"qkv": (4096, (0, 4096, 5120, 6144)), "o": (4096, (0, 4096)), "gate_up": (4096, (0, 14336, 28672)),
+          "down": (14336, (0, 4096))}
+LAYERS = 32                      # launches of each shape per Llama-3.1-8B decode step
+RANK = 16
+MODES = ("inline", "beside")
+
+SHRINK_CANDIDATES = [dict(BLOCK_M=1, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3)
+                     for n, k, w in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))
+                     if n * k <= 16384]
+EXPAND_CANDIDATES = [dict(BLOCK_M=1, BLOCK_N=n, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=w, num_stages=2)
+                     for n, w in itertools.product((64, 128, 256, 512, 1024), (4, 8))]
+
+
+def lora_bytes(rows: int, k: int, n: int, num_slices: int, rank: int = RANK) -> int:
+    """Adapter bytes a decode step of `rows` rows on distinct adapters must read for one projection (bf16)."""
+    return rows * (num_slices * rank * k + n * rank) * 2
+
+
+@contextlib.contextmanager
+def kernel_configs(shrink: dict | None, expand: dict | None):
+    """Within the block, lora_shrink / lora_expand launch under these block configs (None: their own)."""
+    saved = shrink_module._config, expand_module._config
+    if shrink is not None:
+        shrink_module._config = lambda *_: dict(shrink)
+    if expand is not None:
+        expand_module._config = lambda *_: dict(expand)
+    try:
+        yield
+    finally:
+        shrink_module._config, expand_module._config = saved
+
+
+def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_gbps: float) -> dict:
+    k, offsets = SHAPES[name]
+    n, num_slices = offsets[-1], len(offsets) - 1
+    num_slots = max(rows, 1)
+    w_bytes, a_bytes = n * k * 2, lora_bytes(rows, k, n, num_slices)
+    pool_bytes = lora_bytes(num_slots, k, n, num_slices)
+    copies = max(2, -(-(256 << 20) // (w_bytes + pool_bytes)))
+    dev = torch.device("cuda")
+    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+    pools = [(torch.randn(num_slots, num_slices * RANK, k, device=dev, dtype=torch.bfloat16) * k ** -0.5,
+              torch.randn(num_slots, n, RANK, device=dev, dtype=torch.bfloat16) * 0.1) for _ in range(copies)]
+    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    slots = torch.randperm(num_slots, device=dev)[:rows].to(torch.int32)
+    ranks = torch.full((num_slots,), RANK, dtype=torch.int32, device=dev)
+    scalings = torch.full((num_slots, num_slices), 2.0, device=dev)
+    seg_indptr = torch.arange(rows + 1, device=dev, dtype=torch.int32)
+    side = torch.cuda.Stream(priority=-1)
+
+    def gemm(i: int) -> torch.Tensor:
+        if skinny:
+            from worker.kernels.skinny_gemm import skinny_gemm
+            return skinny_gemm(x, weights[i])
+        return F.linear(x, weights[i])
+
+    def lora_inline(i: int, y: torch.Tensor) -> None:
+        a, b = pools[i]
+        xa = shrink_module.lora_shrink(x, a, seg_indptr, slots, ranks, num_slices, rows, 1)
+        expand_module.lora_expand(y, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1)
+
+    def beside(i: int) -> None:
+        a, b = pools[i]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            xa = shrink_module.lora_shrink(x, a, seg_indptr, slots, ranks, num_slices, rows, 1)
+            delta = torch.empty(rows, n, dtype=torch.float32, device=dev)
+            expand_module.lora_expand(delta, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1,
+                                      accumulate=False)
+        gemm(i)
+        torch.cuda.current_stream().wait_stream(side)
+
+    y_lora = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
+    calls = {"gemm": gemm, "lora": lambda i: lora_inline(i, y_lora), "inline": lambda i: lora_inline(i, gemm(i)),
+             "beside": beside}
+
+    def time_of(variant: str) -> float:
+        return graph_time_us([lambda i=i: calls[variant](i) for i in range(copies)], iters)
+
+    def entry(us: float, num_bytes: int) -> dict:
+        gbps = num_bytes / us / 1e3
+        return {"us": round(us, 2), "GBps": round(gbps, 1), "of_copy": round(gbps / copy_gbps, 3)}
+
+    result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": w_bytes, "lora_bytes": a_bytes,
+              "gemm": entry(time_of("gemm"), w_bytes), "lora": entry(time_of("lora"), a_bytes)}
+    for mode in MODES:
+        result[mode] = entry(time_of(mode), w_bytes + a_bytes)
+        if not sweep:
+            continue
+        expand_times = []
+        for cfg in EXPAND_CANDIDATES:
+            with kernel_configs(None, cfg):
+                expand_times.append((cfg, time_of(mode)))
+        best_expand = min(expand_times, key=lambda t: t[1])[0]
+        shrink_times = []
+        for cfg in SHRINK_CANDIDATES:
+            with kernel_configs(cfg, best_expand):
+                shrink_times.append((cfg, time_of(mode)))
+        best_shrink, best_us = min(shrink_times, key=lambda t: t[1])
+        result[f"{mode}_best"] = {**entry(best_us, w_bytes + a_bytes), "shrink": best_shrink, "expand": best_expand}
+        result[f"{mode}_sweep"] = {"expand": [[c, round(us, 2)] for c, us in expand_times],
+                                   "shrink": [[c, round(us, 2)] for c, us in shrink_times]}
+    del weights, pools
+    torch.cuda.empty_cache()
+    logger.info("%s rows=%d: %s", name, rows, {v: result[v]["us"] for v in
+                                                ("gemm", "lora", *MODES, *(f"{m}_best" for m in MODES)) if v in result})
+    return result
+
+
+def step_totals(results: list[dict]) -> dict:
+    """Per row count with every shape timed: the LoRA projections of one decode step under each variant (ms),
+    and what the adapters add over the GEMMs alone, in line and beside them."""
+    totals = {}
+    for rows in sorted({r["rows"] for r in results}):
+        sel = [r for r in results if r["rows"] == rows]
+        if {r["shape"] for r in sel} != set(SHAPES):
+            continue
+        variants = ("gemm", "lora", *MODES, *(f"{m}_best" for m in MODES))
+        ms = {v: round(sum(LAYERS * r[v]["us"] for r in sel) / 1e3, 3) for v in variants if all(v in r for r in sel)}
+        ms.update({f"{v}_over_gemm": round(ms[v] - ms["gemm"], 3) for v in variants[2:] if v in ms})
+        totals[rows] = ms
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the results")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32], help="decode rows, each on its own adapter")
+    parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernels' block-config candidates")
+    parser.add_argument("--skinny", action="store_true", help="base GEMM on kernels/skinny_gemm.py, not cuBLAS")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.kernels_lora_decode needs a CUDA device")
+    copy_gbps = copy_bandwidth() / 1e9
+    results = []
+    for rows in args.rows:
+        for name in SHAPES:
+            results.append(run_shape(name, rows, args.iters, args.sweep, args.skinny, copy_gbps))
+            payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
+                       "gemm": "skinny" if args.skinny else "cublas", "results": results,
+                       "step_ms": step_totals(results)}
+            with open(args.out, "w") as f:      # rewritten after each shape: a cut-off run keeps what it has
+                json.dump(payload, f, indent=1)
+    for rows, totals in payload["step_ms"].items():
+        print(f"rows={rows}: LoRA projections per decode step (ms): {totals}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""bench.kernels_lora_decode's candidate configs, byte count and per-step totals (the timing needs a GPU)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench import kernels_lora_decode as bench  # noqa: E402
+from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module, reference  # noqa: E402
+
+
+def _decode_case(device: str, tokens: int = 3, in_dim: int = 48, offsets=(0, 20, 28), rank: int = 4):
+    """Decode batch (one token per segment) on distinct slots of rank `rank`, one base-only row."""
+    torch.manual_seed(0)
+    ns, slots = len(offsets) - 1, tokens + 1
+    x = torch.randn(tokens, in_dim, device=device)
+    a = torch.randn(slots, ns * rank, in_dim, device=device)
+    b = torch.randn(slots, offsets[-1], rank, device=device)
+    weights = [2, -1, 0][:tokens]
+    meta = dict(seg_indptr=list(range(tokens + 1)), weight_indices=weights, ranks=[rank, 2, rank, rank][:slots])
+    return x, a, b, meta, torch.rand(slots, ns, device=device) + 0.5, list(offsets)
+
+
+def test_every_shrink_and_expand_candidate_computes_the_lora_delta():
+    """Each block config the sweep can make a default gives the reference's xa and delta (tiny shapes;
+    the interpreter on CPU), K and column tiles cut to the shape as on the GPU by masks."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, a, b, meta, scalings, offsets = _decode_case(device)
+    dev = {k: torch.tensor(v, dtype=torch.int32, device=device) for k, v in meta.items()}
+    ns, tokens = len(offsets) - 1, x.shape[0]
+    want_xa = reference.lora_shrink(x, a, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], ns)
+    want_y = torch.zeros(tokens, offsets[-1], device=device)
+    reference.lora_expand(want_y, want_xa, b, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], scalings,
+                          offsets)
+    shrink_kinds = {(c["BLOCK_N"], c["num_warps"]): c for c in bench.SHRINK_CANDIDATES}
+    expand_kinds = {c["num_warps"]: c for c in bench.EXPAND_CANDIDATES}
+    assert len(shrink_kinds) == 8 and len(expand_kinds) == 2
+    for shrink in shrink_kinds.values():
+        with bench.kernel_configs({**shrink, "BLOCK_K": 32}, None):
+            xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], ns,
+                                           tokens, 1)
+        rows = [t for t, w in enumerate(meta["weight_indices"]) if w >= 0]
+        torch.testing.assert_close(xa[rows], want_xa[rows], atol=1e-4, rtol=1e-4)
+    for expand in expand_kinds.values():
+        with bench.kernel_configs(None, {**expand, "BLOCK_N": 16}):
+            y = torch.full((tokens, offsets[-1]), float("nan"), device=device)
+            expand_module.lora_expand(y, want_xa, b, dev["seg_indptr"], dev["weight_indices"], dev["ranks"],
+                                      scalings, offsets, tokens, 1, accumulate=False)
+        torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
+
+
+def test_candidates_are_distinct_and_keep_the_register_tile_bounded():
+    for candidates in (bench.SHRINK_CANDIDATES, bench.EXPAND_CANDIDATES):
+        keys = [tuple(sorted(c.items())) for c in candidates]
+        assert len(set(keys)) == len(keys) >= 10
+    assert all(c["BLOCK_N"] * c["BLOCK_K"] <= 16384 for c in bench.SHRINK_CANDIDATES)
+    assert all(c["BLOCK_M"] == 1 for c in bench.SHRINK_CANDIDATES + bench.EXPAND_CANDIDATES)   # decode rows
+
+
+def test_kernel_configs_restores_the_kernels_own_choice():
+    own_shrink, own_expand = shrink_module._config(1, 4096), expand_module._config(1, 16)
+    with bench.kernel_configs(bench.SHRINK_CANDIDATES[0], bench.EXPAND_CANDIDATES[0]):
+        assert shrink_module._config(1, 4096) == bench.SHRINK_CANDIDATES[0]
+        assert expand_module._config(1, 16) == bench.EXPAND_CANDIDATES[0]
+    with pytest.raises(RuntimeError), bench.kernel_configs(None, bench.EXPAND_CANDIDATES[1]):
+        assert shrink_module._config(1, 4096) == own_shrink
+        raise RuntimeError
+    assert shrink_module._config(1, 4096) == own_shrink and expand_module._config(1, 16) == own_expand
+
+
+def test_lora_bytes_count_each_rows_a_and_b_rows_at_its_rank():
+    # qkv at 32 rows: A is 3 slices x 16 rank rows x 4096, B is 6144 x 16, bf16
+    assert bench.lora_bytes(32, 4096, 6144, 3) == 32 * (3 * 16 * 4096 + 6144 * 16) * 2
+    # the four shapes of one layer: about 84 MB / 32 layers per adapter
+    per_layer = sum(bench.lora_bytes(1, k, offsets[-1], len(offsets) - 1) for k, offsets in bench.SHAPES.values())
+    assert per_layer * bench.LAYERS == 32 * (6 * 16 * 4096 + 16 * 14336 + 16 * (6144 + 4096 + 28672 + 4096)) * 2
+
+
+def test_step_totals_weigh_each_shape_by_the_layers_and_give_the_adapters_margin():
+    results = [{"shape": name, "rows": 32, "gemm": {"us": 10.0 * (i + 1)}, "lora": {"us": 2.0},
+                "inline": {"us": 10.0 * (i + 1) + 4}, "beside": {"us": 10.0 * (i + 1) + 3}}
+               for i, name in enumerate(bench.SHAPES)]
+    results[0]["beside_best"] = {"us": 1.0}
+    results.append({"shape": "qkv", "rows": 8, "gemm": {"us": 1.0}})
+    totals = bench.step_totals(results)
+    assert list(totals) == [32]                                     # 8 rows lack three shapes
+    assert totals[32] == pytest.approx({"gemm": 3.2, "lora": 0.256, "inline": 3.712, "beside": 3.584,
+                                        "inline_over_gemm": 0.512, "beside_over_gemm": 0.384})
