@@ -5,22 +5,36 @@ in the pool. Each timed call follows an L2 flush; the median over iterations is 
 achieved K/V-read bandwidth, and torch SDPA on contiguous (unpaged) K/V as a baseline.
 
     python3 -m bench.kernels_attention --out attention.json
+    python3 -m bench.kernels_attention --step-sweep --out attention_step.json
+
+`--step-sweep` times decode as a step runs it instead: one CUDA graph of 32 launches (a Llama-8B step's
+layers), each over its own layer's K/V (so none is in L2), under each key-split count and tile config, at the
+batch x context pairs of STEP_CASES; bandwidth = K/V bytes / time.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import logging
 import statistics
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from bench.kernels_lora import graph_time_us
 from worker.kernels import attention
+
+logger = logging.getLogger(__name__)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE = [(b, c) for b in (1, 32, 64) for c in (1024, 4096)]
 PREFILL = [512, 2048]
+LAYERS = 32
+STEP_CASES = [(32, 192), (32, 1024), (64, 192), (16, 192), (1, 1024)]
+STEP_SPLITS = (1, 2, 4, 8, 16)
+STEP_TILES = [(16, n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]   # BLOCK_M, BLOCK_N, warps, stages
 
 
 @dataclass
@@ -95,16 +109,63 @@ def measure(phase: str, case: Case, iters: int) -> Row:
     return Row(phase, case.batch, case.context, ms, case.kv_bytes() / ms / 1e6, case.flops() / ms / 1e9, sdpa_ms)
 
 
+def step_sweep(batch: int, context: int, dtype: torch.dtype, iters: int) -> dict:
+    """Decode over LAYERS layers' K/V, one graph of `iters` launches cycling over them, under each split count
+    (the kernel's own tiles) and each tile config (its own split count): us per launch and K/V GB/s."""
+    layers = [Case(batch, context, 1, dtype) for _ in range(LAYERS)]
+    own_splits = attention._num_kv_splits(batch, NUM_KV_HEADS, 1, torch.device("cuda"))
+    own_tiles = attention._tile_config(1, NUM_HEADS // NUM_KV_HEADS, torch.device("cuda"))
+
+    def time_with(splits: int | None) -> float:
+        def call(case: Case) -> None:
+            attention.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc,
+                                      case.seq_lens, HEAD_DIM ** -0.5, batch, 1, out=case.out, num_kv_splits=splits)
+        return graph_time_us([lambda c=c: call(c) for c in layers], iters)
+
+    def entry(us: float) -> dict:
+        return {"us": round(us, 2), "GBps": round(layers[0].kv_bytes() / us / 1e3, 1)}
+
+    result = {"batch": batch, "context": context, "own_splits": own_splits, "own_tiles": list(own_tiles),
+              "own": entry(time_with(None)), "splits": {}, "tiles": []}
+    for splits in STEP_SPLITS:
+        result["splits"][splits] = entry(time_with(splits))
+    saved = attention._tile_config
+    try:
+        for tiles in STEP_TILES:
+            attention._tile_config = lambda *_, tiles=tiles: tiles
+            for splits in sorted({1, 2, own_splits}):
+                result["tiles"].append([list(tiles), splits, entry(time_with(splits))])
+    finally:
+        attention._tile_config = saved
+    best = min(result["tiles"], key=lambda row: row[2]["us"])
+    result["best"] = {"tiles": best[0], "splits": best[1], **best[2]}
+    logger.info("decode %d x %d: own %s (splits %d), by splits %s, best %s", batch, context, result["own"],
+                own_splits, {s: e["us"] for s, e in result["splits"].items()}, result["best"])
+    del layers
+    torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention_bench.json")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--step-sweep", action="store_true", help="decode over a step's layers, splits and tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels_attention.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
+    if args.step_sweep:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        results = []
+        for batch, context in STEP_CASES:     # the file is rewritten after each case: a cut-off run keeps it
+            results.append(step_sweep(batch, context, dtype, LAYERS))
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "step": results}, f,
+                          indent=1)
+        return
     rows = [measure("decode", Case(b, c, 1, dtype), args.iters) for b, c in DECODE]
     rows += [measure("prefill", Case(1, n, n, dtype), args.iters) for n in PREFILL]
     print(f"{'phase':8} {'batch':>5} {'context':>7} {'ms':>8} {'KV GB/s':>8} {'TFLOP/s':>8} {'sdpa ms':>8}")
