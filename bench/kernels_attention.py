@@ -141,7 +141,7 @@ def step_sweep(batch: int, context: int, dtype: torch.dtype, iters: int) -> dict
     result["best"] = {"tiles": best[0], "splits": best[1], **best[2]}
     logger.info("decode %d x %d: own %s (splits %d), by splits %s, best %s", batch, context, result["own"],
                 own_splits, {s: e["us"] for s, e in result["splits"].items()}, result["best"])
-    del layers
+    layers.clear()
     torch.cuda.empty_cache()
     return result
 
