@@ -2,7 +2,8 @@
 
 At Llama-3.1-8B's LoRA projection shapes (qkv, o, gate_up, down) and `--rows` decode rows, each on its own
 rank-16 adapter (slots of rank 16), times per shape:
-- `gemm`: the base projection alone (cuBLAS, as the engine runs 3+ rows; `--skinny`: kernels/skinny_gemm.py);
+- `gemm`: the base projection alone, routed as the engine routes it (layers/linear.project: the GEMV up to
+  runner.GEMV_MAX_ROWS rows, then cuBLAS; with `--skinny`, kernels/skinny_gemm.py up to runner.SKINNY_MAX_ROWS);
 - `lora`: lora_shrink then lora_expand into y, without the GEMM (the adapter bytes' own bandwidth);
 - `inline`: the GEMM, then the shrink and the expand into y (the eager path);
 - `beside`: the shrink and the expand into a float32 delta on a second, high-priority stream, forked before
@@ -24,11 +25,12 @@ import json
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from bench.decode_step import copy_bandwidth
 from bench.kernels_lora import graph_time_us
 from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
+from worker.layers.linear import project
+from worker.model_runner.runner import GEMV_MAX_ROWS, SKINNY_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +85,7 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
     side = torch.cuda.Stream(priority=-1)
 
     def gemm(i: int) -> torch.Tensor:
-        if skinny:
-            from worker.kernels.skinny_gemm import skinny_gemm
-            return skinny_gemm(x, weights[i])
-        return F.linear(x, weights[i])
+        return project(x, weights[i], None, GEMV_MAX_ROWS, SKINNY_MAX_ROWS if skinny else 0)
 
     def lora_inline(i: int, y: torch.Tensor) -> None:
         a, b = pools[i]
@@ -134,7 +133,8 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
         result[f"{mode}_best"] = {**entry(best_us, w_bytes + a_bytes), "shrink": best_shrink, "expand": best_expand}
         result[f"{mode}_sweep"] = {"expand": [[c, round(us, 2)] for c, us in expand_times],
                                    "shrink": [[c, round(us, 2)] for c, us in shrink_times]}
-    del weights, pools
+    weights.clear()
+    pools.clear()
     torch.cuda.empty_cache()
     logger.info("%s rows=%d: %s", name, rows, {v: result[v]["us"] for v in
                                                 ("gemm", "lora", *MODES, *(f"{m}_best" for m in MODES)) if v in result})
