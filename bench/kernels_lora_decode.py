@@ -12,9 +12,13 @@ rank-16 adapter (slots of rank 16), times per shape:
 Each timing is one CUDA graph of `--iters` calls cycling over enough copies of W and of the slot pool
 (>= 256 MB in all) that no call finds its bytes in L2, as in a decode step. With `--sweep`, `inline` and
 `beside` are also timed over the kernels' block configs, coordinate-wise: every expand candidate under the
-default shrink, then every shrink candidate under the best expand. Bandwidth = bytes that must be read / time.
+default shrink, then every shrink candidate under the best expand. With `--compare FILE` (JSON: {name:
+{"shrink": config or null, "expand": config or null}}), `beside` is timed under the kernels' own configs and
+under each named pair, interleaved over `--repeat` rounds, and the medians kept: the check of a sweep's pick
+against noise. Bandwidth = bytes that must be read / time.
 
     python3 -m bench.kernels_lora_decode --out lora_decode.json [--sweep] [--rows 32] [--skinny]
+    python3 -m bench.kernels_lora_decode --out cmp.json --compare pairs.json --repeat 5 --rows 8 16 32
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import contextlib
 import itertools
 import json
 import logging
+import statistics
 
 import torch
 
@@ -66,7 +71,8 @@ def kernel_configs(shrink: dict | None, expand: dict | None):
         shrink_module._config, expand_module._config = saved
 
 
-def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_gbps: float) -> dict:
+def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_gbps: float,
+              compare: dict | None = None, repeat: int = 3) -> dict:
     k, offsets = SHAPES[name]
     n, num_slices = offsets[-1], len(offsets) - 1
     num_slots = max(rows, 1)
@@ -116,6 +122,15 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
 
     result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": w_bytes, "lora_bytes": a_bytes,
               "gemm": entry(time_of("gemm"), w_bytes), "lora": entry(time_of("lora"), a_bytes)}
+    if compare:
+        pairs = {"own": {"shrink": None, "expand": None}, **compare}
+        times: dict[str, list[float]] = {name: [] for name in pairs}
+        for _ in range(repeat):
+            for pair_name, pair in pairs.items():
+                with kernel_configs(pair["shrink"], pair["expand"]):
+                    times[pair_name].append(time_of("beside"))
+        result["compare"] = {pair_name: entry(statistics.median(us), w_bytes + a_bytes)
+                             for pair_name, us in times.items()}
     for mode in MODES:
         result[mode] = entry(time_of(mode), w_bytes + a_bytes)
         if not sweep:
@@ -152,6 +167,9 @@ def step_totals(results: list[dict]) -> dict:
         variants = ("gemm", "lora", *MODES, *(f"{m}_best" for m in MODES))
         ms = {v: round(sum(LAYERS * r[v]["us"] for r in sel) / 1e3, 3) for v in variants if all(v in r for r in sel)}
         ms.update({f"{v}_over_gemm": round(ms[v] - ms["gemm"], 3) for v in variants[2:] if v in ms})
+        if all("compare" in r for r in sel):
+            ms["compare_beside"] = {name: round(sum(LAYERS * r["compare"][name]["us"] for r in sel) / 1e3, 3)
+                                    for name in sel[0]["compare"]}
         totals[rows] = ms
     return totals
 
@@ -163,7 +181,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels' block-config candidates")
     parser.add_argument("--skinny", action="store_true", help="base GEMM on kernels/skinny_gemm.py, not cuBLAS")
+    parser.add_argument("--compare", help="JSON file of named (shrink, expand) config pairs to time `beside` under")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds of --compare (medians kept)")
     args = parser.parse_args()
+    compare = None
+    if args.compare:
+        with open(args.compare) as f:
+            compare = json.load(f)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("bench.kernels_lora_decode needs a CUDA device")
@@ -171,7 +195,8 @@ def main() -> None:
     results = []
     for rows in args.rows:
         for name in SHAPES:
-            results.append(run_shape(name, rows, args.iters, args.sweep, args.skinny, copy_gbps))
+            results.append(run_shape(name, rows, args.iters, args.sweep, args.skinny, copy_gbps, compare,
+                                     args.repeat))
             payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
                        "gemm": "skinny" if args.skinny else "cublas", "results": results,
                        "step_ms": step_totals(results)}

@@ -90,3 +90,18 @@ def test_step_totals_weigh_each_shape_by_the_layers_and_give_the_adapters_margin
     assert list(totals) == [32]                                     # 8 rows lack three shapes
     assert totals[32] == pytest.approx({"gemm": 3.2, "lora": 0.256, "inline": 3.712, "beside": 3.584,
                                         "inline_over_gemm": 0.512, "beside_over_gemm": 0.384})
+    for i, r in enumerate(results[:4]):
+        r["compare"] = {"own": {"us": 5.0}, "pair": {"us": 4.0 + i}}
+    assert bench.step_totals(results)[32]["compare_beside"] == pytest.approx({"own": 0.64, "pair": 32 * 22 / 1e3})
+
+
+def test_the_checked_in_pairs_are_configs_the_kernels_take():
+    """bench/configs/lora_decode_pairs.json (the --compare file of BENCHMARKS' run) names shrink and expand
+    configs with exactly the keys the kernels' own _config returns."""
+    import json
+    from pathlib import Path
+    pairs = json.loads((Path(bench.__file__).parent / "configs" / "lora_decode_pairs.json").read_text())
+    assert len(pairs) >= 2
+    for pair in pairs.values():
+        assert pair["shrink"] is None or pair["shrink"].keys() == shrink_module._config(1, 4096).keys()
+        assert pair["expand"] is None or pair["expand"].keys() == expand_module._config(1, 16).keys()
