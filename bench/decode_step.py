@@ -8,9 +8,8 @@ time of Engine.step() (host work included) and, for graph runs, the replay alone
 --profile adds each kernel's device time per step (torch.profiler), graph and eager. "graphs-sync" runs
 are the same steps with async scheduling off (each step's tokens read back before the next is scheduled);
 "graphs-inline" runs have the LoRA kernels in line on the compute stream instead of beside the base GEMMs;
-"graphs-cublas" runs send batch-1 projections to cuBLAS instead of the small-batch kernel (kernels/gemv.py);
-"graphs-skinny" runs send batch-32 projections to kernels/skinny_gemm.py instead of cuBLAS
-(WorkerConfig.skinny_gemm, off by default).
+"graphs-cublas" runs send every projection to cuBLAS: batch 1 instead of the small-batch GEMV (kernels/gemv.py),
+batch 32 instead of the skinny kernel (kernels/skinny_gemm.py).
 """
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"
 MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
-             "graphs-cublas": ["b1_base", "b1_lora16"],        # what the small-batch GEMV kernel buys
-             "graphs-skinny": ["b32_base", "b32_32lora16"]}    # what the skinny kernel would buy
+             "graphs-cublas": list(RUNS)}        # what the small-batch GEMV and the skinny kernel buy
 PROFILED = ["b1_base", "b32_base", "b32_32lora16"]
 
 
@@ -61,7 +59,7 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
-                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = False) -> Engine:
+                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = True) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
@@ -177,9 +175,9 @@ RATIOS = {   # name: (numerator run, its field, denominator run, its field)
     "b1_base_cublas_over_gemv": ("graphs-cublas_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
     "b1_lora16_cublas_over_gemv":
         ("graphs-cublas_b1_lora16", "step_ms_median", "graphs_b1_lora16", "step_ms_median"),
-    "b32_base_cublas_over_skinny": ("graphs_b32_base", "step_ms_median", "graphs-skinny_b32_base", "step_ms_median"),
+    "b32_base_cublas_over_skinny": ("graphs-cublas_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
     "b32_32lora16_cublas_over_skinny":
-        ("graphs_b32_32lora16", "step_ms_median", "graphs-skinny_b32_32lora16", "step_ms_median"),
+        ("graphs-cublas_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
 }
 
 
@@ -206,7 +204,7 @@ def main() -> None:
         for mode in args.modes:
             eager, sync, inline = mode == "eager", mode == "graphs-sync", mode == "graphs-inline"
             engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync, side_stream=not inline,
-                                  small_batch_gemv=mode != "graphs-cublas", skinny_gemm=mode == "graphs-skinny")
+                                  small_batch_gemv=mode != "graphs-cublas", skinny_gemm=mode != "graphs-cublas")
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)

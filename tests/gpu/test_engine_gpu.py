@@ -27,26 +27,38 @@ def prompts() -> list[list[int]]:
 
 
 def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, side_stream: bool = True,
-                **sched) -> Engine:
+                skinny_gemm: bool = True, overlap_loading: bool = False, **sched) -> Engine:
+    """The tests' engine. Adapters load in the step that admits them (overlap_loading=False), so two engines
+    given the same requests run the same batches: with overlap loading, the step a request joins depends on
+    when its adapter's load ends, and a row's projections run different kernels at different batch sizes
+    (the GEMV below 3 rows, the skinny GEMM up to 32, cuBLAS above), which may change the last bits of its
+    logits (measured: engines given the same requests ran different batches in 4 of 4 pairs, and once a
+    logit row differed). Overlap loading itself is tested in test_lora_loading_gpu.py."""
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
-        lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream),
+        lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream,
+                        enable_lora_overlap_loading=overlap_loading),
         scheduler=SchedulerConfig(max_num_seqs=16, **sched),
-        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling))
+        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling, skinny_gemm=skinny_gemm))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
     return engine
 
 
-def run(engine: Engine, rows=ROWS, capture_logits=False):
+def run(engine: Engine, rows=ROWS, capture_logits=False, steps: list | None = None):
+    """Greedy tokens per request (and with capture_logits, each sampled row's logits); `steps`, when given,
+    gets each step's batch as (request id, first position, new tokens) per sequence."""
     logits = defaultdict(list)
-    if capture_logits:
+    if capture_logits or steps is not None:
         execute = engine.runner.execute
 
         def capture(batch, prev=None):
             out = execute(batch, prev)
-            for seq, row in zip((s for s in batch.seqs if s.samples), out.logits):
-                logits[seq.request.request_id].append(row.float().cpu())
+            if steps is not None:
+                steps.append([(s.request.request_id, s.start, s.num_new_tokens) for s in batch.seqs])
+            if capture_logits:
+                for seq, row in zip((s for s in batch.seqs if s.samples), out.logits):
+                    logits[seq.request.request_id].append(row.float().cpu())
             return out
         engine.runner.execute = capture
     params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True)
@@ -129,15 +141,20 @@ def test_async_and_sync_scheduling_give_identical_tokens(hf_models, enforce_eage
     assert overlapped == sync
 
 
+@pytest.mark.parametrize("skinny_gemm", [False, True], ids=["cublas", "skinny-gemm"])
 @pytest.mark.parametrize("eager_overlap", [False, True], ids=["graphs", "graphs-and-eager"])
-def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_models, eager_overlap):
+def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_models, eager_overlap, skinny_gemm):
     """The shrink overlapping the base GEMM on a second stream computes exactly what it does in line: the
     same kernels on the same inputs, so every logit is bitwise equal (a missing fork or join would race).
-    The side stream serves CUDA-graph steps; eager_overlap puts the prefill steps there too."""
-    in_line_tokens, in_line = run(make_engine(hf_models["llama"], False, side_stream=False), capture_logits=True)
-    engine = make_engine(hf_models["llama"], False, side_stream=True)
+    The side stream serves CUDA-graph steps; eager_overlap puts the prefill steps there too. Both engines
+    run the same batches (make_engine), checked first."""
+    in_line_steps, side_steps = [], []
+    in_line_tokens, in_line = run(make_engine(hf_models["llama"], False, side_stream=False, skinny_gemm=skinny_gemm),
+                                  capture_logits=True, steps=in_line_steps)
+    engine = make_engine(hf_models["llama"], False, side_stream=True, skinny_gemm=skinny_gemm)
     engine.runner.input_builder.eager_overlap = eager_overlap
-    side_tokens, side = run(engine, capture_logits=True)
+    side_tokens, side = run(engine, capture_logits=True, steps=side_steps)
+    assert side_steps == in_line_steps
     assert side_tokens == in_line_tokens
     for request_id, rows in in_line.items():
         assert all(torch.equal(a, b) for a, b in zip(side[request_id], rows, strict=True)), request_id
@@ -156,7 +173,7 @@ def test_adapter_mix_changes_between_replays_without_recapture(hf_models):
 
 @pytest.mark.parametrize("penalties", [False, True], ids=["greedy-and-sampled", "with-penalties"])
 def test_steps_make_no_host_device_sync(hf_models, penalties):
-    engine = make_engine(hf_models["qwen3"], enforce_eager=False, max_num_batched_tokens=64)
+    engine = make_engine(hf_models["qwen3"], enforce_eager=False, overlap_loading=True, max_num_batched_tokens=64)
     run(engine)                                       # warm-up: Triton compilation and autotuning
     extra = dict(presence_penalty=0.5, repetition_penalty=1.1) if penalties else {}
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=8, ignore_eos=True,
