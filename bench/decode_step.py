@@ -9,7 +9,8 @@ time of Engine.step() (host work included) and, for graph runs, the replay alone
 are the same steps with async scheduling off (each step's tokens read back before the next is scheduled);
 "graphs-inline" runs have the LoRA kernels in line on the compute stream instead of beside the base GEMMs;
 "graphs-cublas" runs send every projection to cuBLAS: batch 1 instead of the small-batch GEMV (kernels/gemv.py),
-batch 32 instead of the skinny kernel (kernels/skinny_gemm.py).
+batch 32 instead of the skinny kernel (kernels/skinny_gemm.py); "graphs-nopdl" runs launch every kernel only
+once the one before it has ended (WorkerConfig.programmatic_launch off, kernels/pdl.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"
 MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
-             "graphs-cublas": list(RUNS)}        # what the small-batch GEMV and the skinny kernel buy
+             "graphs-cublas": list(RUNS),        # what the small-batch GEMV and the skinny kernel buy
+             "graphs-nopdl": list(RUNS)}         # what programmatic dependent launch buys
 PROFILED = ["b1_base", "b32_base", "b32_32lora16"]
 
 
@@ -59,14 +61,15 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
-                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = True) -> Engine:
+                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = True,
+                 programmatic_launch: bool = True) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16, lora_side_stream=side_stream),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096),
         device="cuda", enforce_eager=eager, async_scheduling=async_scheduling, small_batch_gemv=small_batch_gemv,
-        skinny_gemm=skinny_gemm))
+        skinny_gemm=skinny_gemm, programmatic_launch=programmatic_launch))
 
 
 def start_requests(engine: Engine, batch: int, adapters: list[str | None], prefix: str,
@@ -178,6 +181,11 @@ RATIOS = {   # name: (numerator run, its field, denominator run, its field)
     "b32_base_cublas_over_skinny": ("graphs-cublas_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
     "b32_32lora16_cublas_over_skinny":
         ("graphs-cublas_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
+    "b1_base_nopdl_over_pdl": ("graphs-nopdl_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
+    "b1_lora16_nopdl_over_pdl": ("graphs-nopdl_b1_lora16", "step_ms_median", "graphs_b1_lora16", "step_ms_median"),
+    "b32_base_nopdl_over_pdl": ("graphs-nopdl_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
+    "b32_32lora16_nopdl_over_pdl":
+        ("graphs-nopdl_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
 }
 
 
@@ -204,7 +212,8 @@ def main() -> None:
         for mode in args.modes:
             eager, sync, inline = mode == "eager", mode == "graphs-sync", mode == "graphs-inline"
             engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync, side_stream=not inline,
-                                  small_batch_gemv=mode != "graphs-cublas", skinny_gemm=mode != "graphs-cublas")
+                                  small_batch_gemv=mode != "graphs-cublas", skinny_gemm=mode != "graphs-cublas",
+                                  programmatic_launch=mode != "graphs-nopdl")
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)

@@ -73,6 +73,8 @@ class WorkerConfig:
     async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
     small_batch_gemv: bool = True  # CUDA: projections of <= 2 rows use kernels/gemv.py instead of cuBLAS
     skinny_gemm: bool = True       # CUDA: projections of 3-32 rows use kernels/skinny_gemm.py instead of cuBLAS
+    programmatic_launch: bool = True  # CUDA (Hopper+): the Triton kernels of a step start while the kernel before
+                                      # them ends (kernels/pdl.py); process-wide
     # CUDA graphs for batches with prefill tokens, up to this many tokens (capped by max_num_batched_tokens);
     # 0: such batches run eagerly (decode batches still replay graphs unless enforce_eager)
     mixed_graph_max_tokens: int = 1024

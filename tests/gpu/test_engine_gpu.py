@@ -27,7 +27,8 @@ def prompts() -> list[list[int]]:
 
 
 def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, side_stream: bool = True,
-                skinny_gemm: bool = True, overlap_loading: bool = False, **sched) -> Engine:
+                skinny_gemm: bool = True, overlap_loading: bool = False, programmatic_launch: bool = True,
+                **sched) -> Engine:
     """The tests' engine. Adapters load in the step that admits them (overlap_loading=False), so two engines
     given the same requests run the same batches: with overlap loading, the step a request joins depends on
     when its adapter's load ends, and a row's projections run different kernels at different batch sizes
@@ -39,7 +40,8 @@ def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, s
         lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream,
                         enable_lora_overlap_loading=overlap_loading),
         scheduler=SchedulerConfig(max_num_seqs=16, **sched),
-        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling, skinny_gemm=skinny_gemm))
+        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling, skinny_gemm=skinny_gemm,
+        programmatic_launch=programmatic_launch))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
     return engine
@@ -158,6 +160,27 @@ def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_mode
     assert side_tokens == in_line_tokens
     for request_id, rows in in_line.items():
         assert all(torch.equal(a, b) for a, b in zip(side[request_id], rows, strict=True)), request_id
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_programmatic_launch_changes_no_logit(hf_models, enforce_eager):
+    """Kernels that start while the one before them ends (kernels/pdl.py) wait for it before reading its
+    output: every logit is bitwise what the engine computes with each kernel launched after the last ended.
+    Both engines run the same batches (make_engine)."""
+    from worker.kernels import pdl
+    try:
+        steps_on, steps_off = [], []
+        tokens_on, on = run(make_engine(hf_models["llama"], enforce_eager, programmatic_launch=True),
+                            capture_logits=True, steps=steps_on)
+        assert pdl.ENABLED and pdl.active(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
+        tokens_off, off = run(make_engine(hf_models["llama"], enforce_eager, programmatic_launch=False),
+                              capture_logits=True, steps=steps_off)
+        assert not pdl.active(torch.device("cuda"))
+    finally:
+        pdl.set_enabled(True)
+    assert steps_on == steps_off and tokens_on == tokens_off
+    for request_id, rows in off.items():
+        assert all(torch.equal(a, b) for a, b in zip(on[request_id], rows, strict=True)), request_id
 
 
 def test_adapter_mix_changes_between_replays_without_recapture(hf_models):

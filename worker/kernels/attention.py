@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels import pdl
 from worker.kernels.tiles import CHUNK, locate_tile, max_tiles
 
 LOG2_E = 1.4426950408889634
@@ -51,7 +52,7 @@ def _paged_attention_kernel(
         stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, num_heads, num_seqs,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        FLAT: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        FLAT: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Semantics: program (i, g, t * NUM_SPLITS + s) handles query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of
     sequence i, all GROUP query heads h of KV head g, and split s of the keys they see (FLAT, one split:
     program (p, g, 0) handles query tile p of all sequences' tiles numbered one sequence after another,
@@ -64,7 +65,10 @@ def _paged_attention_kernel(
     read once per KV head. With NUM_SPLITS > 1 (decode only: one token per sequence) split s covers
     key positions [s*S, (s+1)*S), S = ceil(L / NUM_SPLITS) rounded up to BLOCK_N, and writes its unnormalised
     accumulator, running max (log2 units) and sum to part_*[i, h, s] for _combine_splits_kernel.
+    PDL: kernels/pdl.py.
     """
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     kv_head = tl.program_id(1)
     if FLAT:
         seq, row0 = locate_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q, CHUNK)
@@ -132,12 +136,14 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
                            stride_o_tok, stride_o_head, num_heads, HEAD_DIM: tl.constexpr,
-                           HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                           HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Semantics: for decode sequence i (one token t = query_start_loc[i]) and head h, with per-split
     running max m_s, sum l_s and unnormalised accumulator a_s from _paged_attention_kernel:
         w_s = 2^(m_s - max_s m_s);  out[t, h] = sum_s w_s * a_s / sum_s w_s * l_s
     Sequences with no new token are skipped.
     """
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_loc_ptr + seq)
@@ -156,11 +162,13 @@ def _combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qu
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_tok, stride_v_tok,
-                     stride_c_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+                     stride_c_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr):
     """Semantics: for token t with slot = slot_mapping[t] >= 0 (negative slots are padding, skipped):
         k_cache.view(-1, ROW)[slot] = k[t].flatten();  v_cache.view(-1, ROW)[slot] = v[t].flatten()
     where ROW = num_kv_heads * head_dim.
     """
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -185,7 +193,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
-                                    ROW=row, ROW_PAD=triton.next_power_of_2(row))
+                                    ROW=row, ROW_PAD=triton.next_power_of_2(row), **pdl.launch_options(k.device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -239,11 +247,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
         FLAT=flat, CHUNK=CHUNK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits)
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, **pdl.launch_options(q.device))
     return out
 
 

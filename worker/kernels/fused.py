@@ -9,12 +9,17 @@ Each also takes an optional `delta`: a projection's LoRA output still to be adde
 [T, width of that input], contiguous rows), computed beside the projection's GEMM on another stream
 (layers/linear.py). The kernel first forms round(x + delta), exactly what the LoRA expand would have
 written into x, so a deferred delta changes no result; it saves the expand's launch on the critical path.
+
+On Hopper they launch with programmatic dependent launch (kernels/pdl.py): they let the next kernel launch
+when they start and wait for the previous one before their first load.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from worker.kernels import pdl
 
 
 @triton.jit
@@ -26,12 +31,14 @@ def _plus_delta(x, d_ptrs, mask):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, delta_ptr, num_heads, stride_xt, stride_xh, stride_rt,
                      stride_ot, stride_oh, stride_dt, dim, eps, HAS_RESIDUAL: tl.constexpr,
-                     HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Semantics, for row r = (t, h):
         if HAS_DELTA: x[t] = round(x[t] + delta[t])  (not written back; 2-D x only)
         if HAS_RESIDUAL: res[t] = x[t] + res[t]  (rounded to x's dtype); v = res[t]   else: v = x[t, h]
         out[t, h] = w * round(v * rsqrt(mean(v^2) + eps))    (the mean in float32)
     """
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0)
     t, h = row // num_heads, row % num_heads
     offs = tl.arange(0, BLOCK_D)
@@ -67,7 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(num_tokens * num_heads,)](
             x3, res, weight, out, d, num_heads, x3.stride(0), x3.stride(1), res.stride(0), out.stride(0),
             out.stride(1), d.stride(0), dim, eps, HAS_RESIDUAL=residual is not None, HAS_DELTA=delta is not None,
-            BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if dim >= 2048 else 1)
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if dim >= 2048 else 1, **pdl.launch_options(x.device))
     return out.view(x.shape)
 
 
@@ -96,7 +103,7 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                             delta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                             stride_dt, num_q_heads, num_k_heads, half, HAS_DELTA: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Semantics, for token t at position p = pos[t] with slot = slot[t] (rotate-half layout):
         if HAS_DELTA: [q[t] | k[t] | v[t]] (heads flattened) = round(that + delta[t]) first
         for x in every head of q[t] and k[t], in place: x1, x2 = x[:half], x[half:]; c, s = cos[p, :half],
@@ -105,6 +112,8 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
             k_cache.view(-1, Hk, D)[slot] = k[t] (rotated);  v_cache.view(-1, Hk, D)[slot] = v[t]
     The caches are contiguous [num_blocks, block_size, Hk, D].
     """
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     p = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -157,14 +166,16 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, d, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), cos.stride(0), d.stride(0), num_q_heads, num_k_heads, dim // 2,
             HAS_DELTA=delta is not None, BLOCK_HALF=triton.next_power_of_2(dim // 2),
-            BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4)
+            BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4, **pdl.launch_options(q.device))
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, stride_xt, stride_ot, stride_dt, inter, HAS_DELTA: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Semantics: if HAS_DELTA: x[t] = round(x[t] + delta[t]) (not written back); then
     out[t] = round(silu(x[t, :I])) * x[t, I:]   (rounded once more)."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -189,5 +200,5 @@ def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Te
         d = delta if delta is not None else x
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             x, out, d, x.stride(0), out.stride(0), d.stride(0), inter, HAS_DELTA=delta is not None, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **pdl.launch_options(x.device))
     return out

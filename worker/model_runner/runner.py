@@ -71,6 +71,8 @@ class ModelRunner:
         m = config.model
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, m.seed)
         if device.type == "cuda":
+            from worker.kernels import pdl               # Triton; imported here so CPU installs need none
+            pdl.set_enabled(config.programmatic_launch)
             skinny_rows = 0
             if config.skinny_gemm:
                 from worker.kernels import skinny_gemm   # Triton; imported here so CPU installs need none
