@@ -36,15 +36,17 @@ MAX_DEFERRED_TOKENS = 256
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_rows: int,
-            skinny_max_rows: int = 0) -> torch.Tensor:
+            skinny_max_rows: int = 0, beside_lora: bool = False) -> torch.Tensor:
     """x @ weight^T (+ bias): on a GPU, at most `gemv_max_rows` rows go through the small-batch kernel
     (kernels/gemv.py: no split-K, W read once at full bandwidth), up to `skinny_max_rows` through
-    kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS."""
+    kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS.
+    beside_lora: LoRA kernels run on a second stream beside this projection; the GEMV then does not launch
+    early (kernels/gemv.py)."""
     rows = x.shape[0]
     if x.is_cuda and 0 < rows <= max(gemv_max_rows, skinny_max_rows) and x.stride(1) == 1 and weight.is_contiguous():
         if rows <= gemv_max_rows:
             from worker.kernels.gemv import gemv     # Triton; imported here so CPU installs need none
-            return gemv(x, weight, bias)
+            return gemv(x, weight, bias, early_launch=not beside_lora)
         from worker.kernels.skinny_gemm import skinny_gemm
         return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -134,7 +136,7 @@ class Linear(nn.Module):
                 delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
                 lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
                             w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
-        y = project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows)
+        y = project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows, beside_lora=side is not None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         if not defer:
