@@ -23,14 +23,14 @@ MAX_ROWS = 4      # rows of x one launch takes (the float32 products stay in reg
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Semantics:
         y[m, n] = round(sum_k x[m, k] * w[n, k] (+ bias[n]))   for m < M, n < N; sum and bias in float32
 
     Grid: cdiv(N, BLOCK_N) programs; program p owns output columns [p*BLOCK_N, (p+1)*BLOCK_N) of every row.
-    PDL (kernels/pdl.py): the first prefetch_bytes of the program's W rows are asked of L2 before the wait.
+    PDL: kernels/pdl.py.
     """
     pdl.launch_dependents(PDL)
     pid = tl.program_id(0)
@@ -39,10 +39,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-    pdl.prefetch_l2(w_rows, n_mask, prefetch_bytes, PDL)
     pdl.wait(PDL)
-    w_ptrs = w_rows[:, None] + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -97,7 +95,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert block_m >= num_rows
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, num_rows, n, k, x.stride(0), weight.stride(0),
-        y.stride(0), pdl.row_prefetch_bytes(weight, k), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        **(pdl.launch_options(x.device) if early_launch else {"PDL": False}))
+        y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, **(pdl.launch_options(x.device) if early_launch else {"PDL": False}))
     return y

@@ -12,10 +12,10 @@ every program of that one has called `launch_dependents()` (or ended). The kerne
   reuses freed blocks in stream order). `wait()` returns once the kernel before has ended and its writes are
   visible; that kernel waited for its own predecessor the same way, so everything earlier has ended too.
 
-Before the wait a projection only reads its weights (no kernel writes them): `prefetch_l2` pulls the first
-part of its rows into L2 while the previous kernel finishes. Kernels of other kinds (torch ops, cuBLAS,
-copies) before or after a PDL kernel keep their full dependency: the attribute only lets a kernel overlap
-the kernel just before it in the same stream, and CUDA-graph capture keeps those edges.
+Kernels of other kinds (torch ops, cuBLAS, copies) before or after a PDL kernel keep their full dependency:
+the attribute only lets a kernel overlap the kernel just before it in the same stream, and CUDA-graph capture
+keeps those edges. (Projections asking L2 for the first 2 KB of their weight rows before the wait measured
+slower, 8 KB and more far slower: bench/decode_step.py on an H100, BENCHMARKS.md.)
 
 `ENABLED` is process-wide (one engine per worker process; WorkerConfig.programmatic_launch sets it). Under
 the Triton interpreter (CPU) the kernels compile the calls out: `active()` is False there.
@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 ENABLED = True
-PREFETCH_BYTES = 2048      # per weight row, by a projection's programs before their wait
 
 
 def set_enabled(enabled: bool) -> None:
@@ -55,16 +54,6 @@ def launch_options(device: torch.device) -> dict:
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
-def row_prefetch_bytes(weight: torch.Tensor, row_elements: int) -> int:
-    """Bytes prefetch_l2 asks for per row of a row-major weight whose programs read `row_elements` of a row
-    from a 16-byte aligned start: PREFETCH_BYTES or less, a multiple of 16; 0 (nothing) when the rows do not
-    start 16-byte aligned."""
-    elem = weight.element_size()
-    if (weight.stride(0) * elem) % 16 or weight.data_ptr() % 16:
-        return 0
-    return min(PREFETCH_BYTES, row_elements * elem) // 16 * 16
-
-
 @triton.jit
 def launch_dependents(PDL: tl.constexpr):
     if PDL:
@@ -75,14 +64,3 @@ def launch_dependents(PDL: tl.constexpr):
 def wait(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(row_ptrs, mask, num_bytes, PDL: tl.constexpr):
-    """Ask L2 for num_bytes (a multiple of 16; 16-byte aligned rows) from each of row_ptrs where mask holds:
-    one bulk prefetch per row, no registers or shared memory held, nothing waited on."""
-    if PDL:
-        size = tl.where(mask, num_bytes, 0).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [row_ptrs, size], dtype=tl.int32, is_pure=False, pack=1)

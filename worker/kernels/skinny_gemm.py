@@ -67,14 +67,13 @@ def default_config(num_rows: int, n: int, k: int) -> Config:
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, sync_ptr, num_rows, N, K, stride_xm, stride_wn,
-                        stride_ym, prefetch_bytes, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                        stride_ym, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Semantics: y[m, n] = round(sum_k x[m, k] * w[n, k] (+ bias[n])) for m < num_rows, n < N; float32 sums.
 
     Grid: (cdiv(N, BLOCK_N) * SPLIT_K,); program p sums K in [(p % SPLIT_K) * K_SPLIT, ... + K_SPLIT) for the
-    column tile p // SPLIT_K. PDL (kernels/pdl.py): the first prefetch_bytes of the program's W rows are
-    asked of L2 before the wait for the previous kernel.
+    column tile p // SPLIT_K. PDL: kernels/pdl.py.
     """
     pdl.launch_dependents(PDL)
     tile = tl.program_id(0) // SPLIT_K
@@ -85,10 +84,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, sync_ptr, num_row
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     mask_m = offs_m < num_rows
-    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn + k_lo
-    pdl.prefetch_l2(w_rows, mask_n, prefetch_bytes, PDL)
     pdl.wait(PDL)
-    w_ptrs = w_rows[:, None] + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_lo + offs_k)[:, None]          # x^T: [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
@@ -143,7 +140,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ws = torch.empty(cfg.split_k * n * block_m if cfg.split_k > 1 else 1, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(num_tiles * cfg.split_k,)](
         x, weight, bias if bias is not None else x, y, ws, sync, num_rows, n, k, x.stride(0), weight.stride(0),
-        y.stride(0), pdl.row_prefetch_bytes(weight, k_split), HAS_BIAS=bias is not None,
+        y.stride(0), HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, SPLIT_K=cfg.split_k, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
         num_stages=stages, **pdl.launch_options(x.device))
