@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels import pdl
 from worker.kernels.lora_shrink import _tile_matmul
 from worker.kernels.tiles import CHUNK, group_tile, max_tiles
 
@@ -65,12 +64,10 @@ def _lora_expand_kernel(
         out_dim, stride_ym, stride_xam, stride_bw, stride_bo, stride_sw, num_segments,
         SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
         FLAT: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
     # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile];
     # FLAT: program (tile * NUM_N_TILES + n_tile, 0), tile numbering all segments' m tiles in turn;
-    # ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by BLOCK_R_HIGH (fewer, wider steps); PDL: kernels/pdl.py
-    pdl.launch_dependents(PDL)
-    pdl.wait(PDL)
+    # ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by BLOCK_R_HIGH (fewer, wider steps)
     n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
     seg, m0, seg_end = group_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, FLAT, BLOCK_M,
                                   CHUNK)
@@ -158,4 +155,4 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
         y, xa, b, seg_indptr, weight_indices, ranks, scalings, offsets_ptr,
         out_dim, y.stride(0), xa.stride(0), b.stride(0), b.stride(1), scalings.stride(0), num_segments,
         SLICE_OFFSETS=offsets_const, NUM_SLICES=num_slices, MAX_RANK=max_rank,
-        NUM_N_TILES=num_n_tiles, FLAT=flat, ACCUMULATE=accumulate, **cfg, **pdl.launch_options(y.device))
+        NUM_N_TILES=num_n_tiles, FLAT=flat, ACCUMULATE=accumulate, **cfg)

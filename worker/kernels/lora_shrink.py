@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels import pdl
 from worker.kernels.tiles import CHUNK, group_tile, max_tiles
 
 
@@ -42,12 +41,9 @@ def _lora_shrink_kernel(
         x_ptr, a_ptr, xa_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
         in_dim, stride_xm, stride_aw, stride_an, stride_xam, num_segments,
         MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr, FLAT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (m_tile * NUM_N_TILES + n_tile, segment, slice) owns xa[m tile of the segment, slice cols n tile];
-    # FLAT: program (tile * NUM_N_TILES + n_tile, 0, slice), tile numbering all segments' m tiles in turn;
-    # PDL: kernels/pdl.py
-    pdl.launch_dependents(PDL)
-    pdl.wait(PDL)
+    # FLAT: program (tile * NUM_N_TILES + n_tile, 0, slice), tile numbering all segments' m tiles in turn
     n_tile = tl.program_id(0) % NUM_N_TILES
     s = tl.program_id(2)
     seg, m0, seg_end = group_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, FLAT, BLOCK_M,
@@ -124,5 +120,5 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     _lora_shrink_kernel[grid](
         x, a, xa, seg_indptr, weight_indices, ranks,
         in_dim, x.stride(0), a.stride(0), a.stride(1), xa.stride(0), num_segments,
-        MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, FLAT=flat, **cfg, **pdl.launch_options(x.device))
+        MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, FLAT=flat, **cfg)
     return xa
