@@ -2,8 +2,9 @@
 
 At Llama-3.1-8B's LoRA projection shapes (qkv, o, gate_up, down) and `--rows` decode rows, each on its own
 rank-16 adapter (slots of rank 16), times per shape:
-- `gemm`: the base projection alone, routed as the engine routes it (layers/linear.project: the GEMV up to
-  runner.GEMV_MAX_ROWS rows, then cuBLAS; with `--skinny`, kernels/skinny_gemm.py up to runner.SKINNY_MAX_ROWS);
+- `gemm`: the base projection alone through layers/linear.project: the GEMV up to runner.GEMV_MAX_ROWS rows,
+  then cuBLAS; with `--skinny` kernels/skinny_gemm.py up to runner.SKINNY_MAX_ROWS, as the engine routes them
+  by default (WorkerConfig.skinny_gemm);
 - `lora`: lora_shrink then lora_expand into y, without the GEMM (the adapter bytes' own bandwidth);
 - `inline`: the GEMM, then the shrink and the expand into y (the eager path);
 - `beside`: the shrink and the expand into a float32 delta on a second, high-priority stream, forked before
@@ -180,7 +181,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[32], help="decode rows, each on its own adapter")
     parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels' block-config candidates")
-    parser.add_argument("--skinny", action="store_true", help="base GEMM on kernels/skinny_gemm.py, not cuBLAS")
+    parser.add_argument("--skinny", action="store_true", help="3-32 rows on kernels/skinny_gemm.py (the engine's default), not cuBLAS")
     parser.add_argument("--compare", help="JSON file of named (shrink, expand) config pairs to time `beside` under")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds of --compare (medians kept)")
     args = parser.parse_args()
