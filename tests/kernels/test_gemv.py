@@ -62,3 +62,46 @@ def test_gemv_llama_shapes_bf16(rows, n, k):
     y = gemv.gemv(x, w)
     assert ((y.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-4).all()
     torch.testing.assert_close(y, F.linear(x, w), atol=1.6e-2, rtol=1.6e-2)
+
+
+# (segment token counts, slot of each segment): one row on an adapter; a base-only row then an adapter;
+# two rows on adapters of different ranks; two rows of one segment; an adapter row and a padding row past
+# the segments (CUDA-graph padding)
+LORA_BATCHES = [([1], [2]), ([1, 1], [-1, 0]), ([1, 1], [1, 2]), ([2], [1]), ([1], [0])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", range(len(LORA_BATCHES)))
+@pytest.mark.parametrize("offsets", [(0, 40, 56, 72), (0, 37)], ids=["qkv-like", "one-slice"])
+def test_gemv_adds_each_rows_lora_delta_before_rounding(dtype, batch, offsets):
+    """gemv(lora=RowLoRA) = round(x W^T + b + each row's scaled xa B^T) in float32 against the references
+    (xa from reference.lora_shrink), slices straddling program tiles, slots of rank R 8 with adapters at
+    ranks 8, 3 and 5, and a padding row that lies in no segment getting no delta."""
+    seg_lens, slots = LORA_BATCHES[batch]
+    rows = sum(seg_lens) + (1 if batch == 4 else 0)
+    ns, n, k, r = len(offsets) - 1, offsets[-1], 96, 8
+    x, w, b = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype, seed=1), rand(n, dtype=dtype, seed=2)
+    a_pool, b_pool = rand(3, ns * r, k, dtype=dtype, seed=3), rand(3, n, r, dtype=dtype, seed=4)
+    ranks, scalings = [8, 3, 5], torch.tensor([[0.5 + s + i for s in range(ns)] for i in range(3)], device=DEVICE)
+    indptr = [0]
+    for length in seg_lens:
+        indptr.append(indptr[-1] + length)
+    xa = reference.lora_shrink(x, a_pool, indptr, slots, ranks, ns)
+    want = x.float() @ w.float().T + b.float()
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        for s in range(ns):
+            o0, o1 = offsets[s], offsets[s + 1]
+            xs = xa[indptr[i]:indptr[i + 1], s * r:s * r + ranks[slot]].float()
+            want[indptr[i]:indptr[i + 1], o0:o1] += scalings[slot, s] * (xs @ b_pool[slot, o0:o1, :ranks[slot]].float().T)
+    ints = dict(dtype=torch.int32, device=DEVICE)
+    lora = gemv.RowLoRA(xa, b_pool, torch.tensor(indptr, **ints), torch.tensor(slots, **ints),
+                        torch.tensor(ranks, **ints), scalings, offsets, len(slots))
+    for cfg in [None, (triton_pow2(rows), 16, 32, 1)]:
+        y = gemv.gemv(x, w, b, cfg, lora=lora)
+        torch.testing.assert_close(y, want.to(dtype), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
