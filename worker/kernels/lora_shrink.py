@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels import pdl
 from worker.kernels.tiles import CHUNK, group_tile, max_tiles
 
 
@@ -42,12 +41,9 @@ def _lora_shrink_kernel(
         x_ptr, a_ptr, xa_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
         in_dim, stride_xm, stride_aw, stride_an, stride_xam, num_segments,
         MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr, FLAT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (m_tile * NUM_N_TILES + n_tile, segment, slice) owns xa[m tile of the segment, slice cols n tile];
-    # FLAT: program (tile * NUM_N_TILES + n_tile, 0, slice), tile numbering all segments' m tiles in turn.
-    # PDL (lora_shrink's programmatic): wait for the kernel before, then let the next launch (kernels/pdl.py)
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
+    # FLAT: program (tile * NUM_N_TILES + n_tile, 0, slice), tile numbering all segments' m tiles in turn
     n_tile = tl.program_id(0) % NUM_N_TILES
     s = tl.program_id(2)
     seg, m0, seg_end = group_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, FLAT, BLOCK_M,
@@ -96,7 +92,7 @@ def _config(max_seg_len: int, in_dim: int) -> dict:
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
                 ranks: torch.Tensor, num_slices: int, num_segments: int, max_seg_len: int,
-                out: torch.Tensor | None = None, programmatic: bool = False) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """xa for all slices of one fused projection in one launch; no host-device sync.
 
     x: [num_tokens, in_dim]; a: [num_slots, num_slices * R, in_dim]; seg_indptr: [>= num_segments + 1] int32;
@@ -105,8 +101,6 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     real ones must have empty token ranges; max_seg_len must be >= every segment's length, and 1 only when
     every segment has at most one token).
     out: optional preallocated [num_tokens, num_slices * R] buffer, returned. -> xa
-    programmatic: launch with PDL where kernels/pdl.py is active, letting the next kernel launch only once the
-    kernel before this one has ended: that one (gemv with `lora`) reads x without waiting.
     """
     num_tokens, in_dim = x.shape
     max_rank = a.shape[1] // num_slices
@@ -126,6 +120,5 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     _lora_shrink_kernel[grid](
         x, a, xa, seg_indptr, weight_indices, ranks,
         in_dim, x.stride(0), a.stride(0), a.stride(1), xa.stride(0), num_segments,
-        MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, FLAT=flat, **cfg,
-        **(pdl.launch_options(x.device) if programmatic else {"PDL": False}))
+        MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, FLAT=flat, **cfg)
     return xa

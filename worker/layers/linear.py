@@ -36,15 +36,17 @@ MAX_DEFERRED_TOKENS = 256
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_rows: int,
-            skinny_max_rows: int = 0) -> torch.Tensor:
+            skinny_max_rows: int = 0, beside_lora: bool = False) -> torch.Tensor:
     """x @ weight^T (+ bias): on a GPU, at most `gemv_max_rows` rows go through the small-batch kernel
     (kernels/gemv.py: no split-K, W read once at full bandwidth), up to `skinny_max_rows` through
-    kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS."""
+    kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS.
+    beside_lora: LoRA kernels run on a second stream beside this projection; the GEMV then does not launch
+    early (kernels/gemv.py)."""
     rows = x.shape[0]
     if x.is_cuda and 0 < rows <= max(gemv_max_rows, skinny_max_rows) and x.stride(1) == 1 and weight.is_contiguous():
         if rows <= gemv_max_rows:
             from worker.kernels.gemv import gemv     # Triton; imported here so CPU installs need none
-            return gemv(x, weight, bias)
+            return gemv(x, weight, bias, early_launch=not beside_lora)
         from worker.kernels.skinny_gemm import skinny_gemm
         return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -97,7 +99,7 @@ class Linear(nn.Module):
         is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
         the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
         large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, not a
-        CUDA-graph batch (LoRABatchInfo.overlap), not a decode step, or 1-2 rows (the GEMV adds it)."""
+        CUDA-graph batch (LoRABatchInfo.overlap) or not a decode step."""
         w = self.lora
         if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.lora_stream is None
                 or not lora_info.overlap or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS):
@@ -118,20 +120,10 @@ class Linear(nn.Module):
         so a shrink cannot overwrite an xa an earlier expand still reads, and this stream waits for the
         side stream before anything after it can reuse x. A deferred delta is allocated on the side stream
         and read here: the caller keeps it until its consumer is queued, and any later allocation on the
-        side stream follows a fork from after that point. Inside graph capture the fork and join are edges.
-        Batches of 1-2 rows instead run the shrink and then the GEMV, which adds the expand (kernels/gemv.py)."""
+        side stream follows a fork from after that point. Inside graph capture the fork and join are edges."""
         from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
         from worker.kernels.lora_shrink import lora_shrink
         w = self.lora
-        if 0 < x.shape[0] <= self.gemv_max_rows and x.stride(1) == 1 and self.weight.is_contiguous():
-            # 1-2 rows: the shrink, then the GEMV adding each row's expand before its one rounding; no side
-            # stream (beside these GEMVs the LoRA kernels waited for SMs, and a join cost more than the LoRA)
-            from worker.kernels.gemv import RowLoRA, gemv
-            xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
-                             info.num_segments, info.max_seg_len, programmatic=True)
-            return gemv(x, self.weight, self.bias, lora=RowLoRA(
-                xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings, w.slice_offsets,
-                info.num_segments)), None
         side = w.lora_stream if info.overlap else None
         assert side is not None or not defer
         if side is not None:
@@ -144,7 +136,7 @@ class Linear(nn.Module):
                 delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
                 lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
                             w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
-        y = project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows)
+        y = project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows, beside_lora=side is not None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         if not defer:
