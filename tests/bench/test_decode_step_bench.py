@@ -1,0 +1,33 @@
+"""bench.decode_step's bookkeeping: every ratio compares runs a mode makes, and is given only where both were
+made (the timing itself needs a GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from bench import decode_step
+
+
+def test_every_ratio_names_runs_that_some_mode_makes():
+    made = {f"{mode}_{run}" for mode, runs in decode_step.MODE_RUNS.items() for run in runs}
+    assert set(decode_step.MODE_RUNS["graphs"]) == set(decode_step.RUNS)     # the bars' runs
+    for name, (num, num_field, den, den_field) in decode_step.RATIOS.items():
+        assert num in made and den in made, name
+        assert {num_field, den_field} <= {"step_ms_median", "replay_ms", "floor_ms"}, name
+
+
+def test_each_mode_compared_against_graphs_has_its_ratios():
+    """The modes added to compare one setting (nopdl, cublas, inline, sync, eager) each have a ratio against
+    the default graphs runs."""
+    for mode in decode_step.MODE_RUNS:
+        if mode == "graphs":
+            continue
+        assert any(num.startswith(mode + "_") and den.startswith("graphs_")
+                   for num, _, den, _ in decode_step.RATIOS.values()), mode
+
+
+def test_ratios_are_given_only_where_both_runs_were_made():
+    runs = {"graphs_b1_base": {"step_ms_median": 6.0, "floor_ms": 5.0, "replay_ms": 5.5},
+            "graphs-nopdl_b1_base": {"step_ms_median": 6.6}}
+    got = decode_step.ratios(runs)
+    assert got == pytest.approx({"b1_base_step_over_floor": 1.2, "b1_base_replay_over_floor": 1.1,
+                                 "b1_base_nopdl_over_pdl": 1.1})
