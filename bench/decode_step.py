@@ -157,35 +157,29 @@ def adapter_bytes(arch: ArchConfig, rank: int) -> int:
     return per_layer * arch.num_layers * 2
 
 
+def _against_graphs(mode: str, names: dict[str, str]) -> dict:
+    """RATIOS entries of a mode's step time over the default graphs mode's, one per run: {run: ratio name}."""
+    return {name: (f"{mode}_{run}", "step_ms_median", f"graphs_{run}", "step_ms_median") for run, name in names.items()}
+
+
 RATIOS = {   # name: (numerator run, its field, denominator run, its field)
     "b1_base_step_over_floor": ("graphs_b1_base", "step_ms_median", "graphs_b1_base", "floor_ms"),
     "b1_lora16_over_b1_base": ("graphs_b1_lora16", "step_ms_median", "graphs_b1_base", "step_ms_median"),
     "b32_32lora16_over_floor_with_adapters":
         ("graphs_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "floor_ms"),
-    "b1_eager_over_graphs": ("eager_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
-    "b32_eager_over_graphs": ("eager_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
+    **_against_graphs("eager", {"b1_base": "b1_eager_over_graphs", "b32_base": "b32_eager_over_graphs"}),
     "b1_base_replay_over_floor": ("graphs_b1_base", "replay_ms", "graphs_b1_base", "floor_ms"),
     "b1_lora16_replay_over_b1_base_replay": ("graphs_b1_lora16", "replay_ms", "graphs_b1_base", "replay_ms"),
     "b32_32lora16_replay_over_floor_with_adapters":
         ("graphs_b32_32lora16", "replay_ms", "graphs_b32_32lora16", "floor_ms"),
-    "b1_sync_over_async": ("graphs-sync_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
-    "b32_32lora16_sync_over_async":
-        ("graphs-sync_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
-    "b1_lora16_inline_over_side_stream":
-        ("graphs-inline_b1_lora16", "step_ms_median", "graphs_b1_lora16", "step_ms_median"),
-    "b32_32lora16_inline_over_side_stream":
-        ("graphs-inline_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
-    "b1_base_cublas_over_gemv": ("graphs-cublas_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
-    "b1_lora16_cublas_over_gemv":
-        ("graphs-cublas_b1_lora16", "step_ms_median", "graphs_b1_lora16", "step_ms_median"),
-    "b32_base_cublas_over_skinny": ("graphs-cublas_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
-    "b32_32lora16_cublas_over_skinny":
-        ("graphs-cublas_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
-    "b1_base_nopdl_over_pdl": ("graphs-nopdl_b1_base", "step_ms_median", "graphs_b1_base", "step_ms_median"),
-    "b1_lora16_nopdl_over_pdl": ("graphs-nopdl_b1_lora16", "step_ms_median", "graphs_b1_lora16", "step_ms_median"),
-    "b32_base_nopdl_over_pdl": ("graphs-nopdl_b32_base", "step_ms_median", "graphs_b32_base", "step_ms_median"),
-    "b32_32lora16_nopdl_over_pdl":
-        ("graphs-nopdl_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "step_ms_median"),
+    **_against_graphs("graphs-sync", {"b1_base": "b1_sync_over_async",
+                                      "b32_32lora16": "b32_32lora16_sync_over_async"}),
+    **_against_graphs("graphs-inline", {run: f"{run}_inline_over_side_stream"
+                                        for run in ("b1_lora16", "b32_32lora16")}),
+    **_against_graphs("graphs-cublas", {run: f"{run}_cublas_over_{'gemv' if run.startswith('b1_') else 'skinny'}"
+                                        for run in ("b1_base", "b1_lora16", "b32_base", "b32_32lora16")}),
+    **_against_graphs("graphs-nopdl", {run: f"{run}_nopdl_over_pdl"
+                                       for run in ("b1_base", "b1_lora16", "b32_base", "b32_32lora16")}),
 }
 
 

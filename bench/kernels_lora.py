@@ -11,6 +11,7 @@ bytes are x, the A and B rows of the adapters the batch uses (at their own rank)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
 from worker.kernels.lora_expand import lora_expand
 from worker.kernels.lora_shrink import lora_shrink
 
@@ -149,19 +151,29 @@ SWEEP_SHRINK = [dict(BLOCK_M=1, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3)
                 for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for w in (4,)]
 
 
-def sweep(case: Case, dtype: torch.dtype, iters: int) -> dict:
-    """Time shrink and expand alone under each candidate block config (the kernels' _config replaced)."""
-    from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
+@contextlib.contextmanager
+def kernel_configs(shrink: dict | None, expand: dict | None):
+    """Within the block, lora_shrink / lora_expand launch under these block configs (None: their own)."""
     saved = shrink_module._config, expand_module._config
-    timings: dict[str, list] = {"shrink": [], "expand": []}
+    if shrink is not None:
+        shrink_module._config = lambda *_: dict(shrink)
+    if expand is not None:
+        expand_module._config = lambda *_: dict(expand)
     try:
-        for kind, module, configs in (("shrink", shrink_module, SWEEP_SHRINK), ("expand", expand_module, SWEEP_EXPAND)):
-            for cfg in configs:
-                module._config = lambda *_, cfg=cfg: dict(cfg)
-                result = run_case(case, dtype, iters)
-                timings[kind].append((cfg, result.shrink_us if kind == "shrink" else result.expand_us))
+        yield
     finally:
         shrink_module._config, expand_module._config = saved
+
+
+def sweep(case: Case, dtype: torch.dtype, iters: int) -> dict:
+    """Time shrink and expand alone under each candidate block config (the kernels' _config replaced)."""
+    timings: dict[str, list] = {"shrink": [], "expand": []}
+    for cfg in SWEEP_SHRINK:
+        with kernel_configs(cfg, None):
+            timings["shrink"].append((cfg, run_case(case, dtype, iters).shrink_us))
+    for cfg in SWEEP_EXPAND:
+        with kernel_configs(None, cfg):
+            timings["expand"].append((cfg, run_case(case, dtype, iters).expand_us))
     best = {kind: min(rows, key=lambda row: row[1]) for kind, rows in timings.items()}
     logger.info("%s: best shrink %s %.2f us, best expand %s %.2f us", case.name, *best["shrink"], *best["expand"])
     return {"case": case.name, "best": best, "timings": timings}

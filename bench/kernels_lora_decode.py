@@ -24,7 +24,6 @@ against noise. Bandwidth = bytes that must be read / time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import logging
@@ -33,7 +32,7 @@ import statistics
 import torch
 
 from bench.decode_step import copy_bandwidth
-from bench.kernels_lora import graph_time_us
+from bench.kernels_lora import graph_time_us, kernel_configs
 from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
 from worker.layers.linear import project
 from worker.model_runner.runner import GEMV_MAX_ROWS, SKINNY_MAX_ROWS
@@ -56,20 +55,6 @@ EXPAND_CANDIDATES = [dict(BLOCK_M=1, BLOCK_N=n, BLOCK_R=16, BLOCK_R_HIGH=16, num
 def lora_bytes(rows: int, k: int, n: int, num_slices: int, rank: int = RANK) -> int:
     """Adapter bytes a decode step of `rows` rows on distinct adapters must read for one projection (bf16)."""
     return rows * (num_slices * rank * k + n * rank) * 2
-
-
-@contextlib.contextmanager
-def kernel_configs(shrink: dict | None, expand: dict | None):
-    """Within the block, lora_shrink / lora_expand launch under these block configs (None: their own)."""
-    saved = shrink_module._config, expand_module._config
-    if shrink is not None:
-        shrink_module._config = lambda *_: dict(shrink)
-    if expand is not None:
-        expand_module._config = lambda *_: dict(expand)
-    try:
-        yield
-    finally:
-        shrink_module._config, expand_module._config = saved
 
 
 def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_gbps: float,

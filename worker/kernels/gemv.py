@@ -76,6 +76,15 @@ def config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, block_n, block_k, 4
 
 
+def projection_output(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> tuple[torch.Tensor, int, int, int]:
+    """(y, M, N, K) for a small-batch projection kernel (here and kernels/skinny_gemm.py): checks x [M, K]
+    (M <= max_rows, unit stride along K) against weight [N, K] (contiguous); y [M, N] in x's dtype, unwritten."""
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    assert num_rows <= max_rows and weight.shape[1] == k and weight.is_contiguous() and x.stride(1) == 1
+    return torch.empty(num_rows, n, dtype=x.dtype, device=x.device), num_rows, n, k
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          cfg: tuple[int, int, int, int] | None = None, early_launch: bool = True) -> torch.Tensor:
     """x: [M, K] (M <= MAX_ROWS, unit stride along K), weight: [N, K] contiguous, bias: [N] or None
@@ -85,10 +94,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     active. For a GEMV with LoRA kernels on a second stream beside it: its programs fill every SM's warp
     slots, so launched early they keep those kernels off the SMs until the GEMV ends (measured at batch 1
     with one adapter: 7% slower steps)."""
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    assert num_rows <= MAX_ROWS and weight.shape[1] == k and weight.is_contiguous() and x.stride(1) == 1
-    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    y, num_rows, n, k = projection_output(x, weight, MAX_ROWS)
     if num_rows == 0:
         return y
     block_m, block_n, block_k, num_warps = cfg or config(num_rows, n, k)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels import pdl
+from worker.kernels.gemv import projection_output
 
 MAX_ROWS = 64          # rows of x one launch takes (the narrow operand of the tensor-core tiles)
 SYNC_WORDS = 4096      # arrival counters per device, one per column tile of a split launch
@@ -123,10 +124,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 cfg: Config | None = None) -> torch.Tensor:
     """x: [M, K] (M <= MAX_ROWS, unit stride along K), weight: [N, K] contiguous, bias: [N] or None
     -> y: [M, N] in x's dtype; no host-device sync. `cfg` overrides default_config() (benchmarks)."""
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    assert num_rows <= MAX_ROWS and weight.shape[1] == k and weight.is_contiguous() and x.stride(1) == 1
-    y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    y, num_rows, n, k = projection_output(x, weight, MAX_ROWS)
     if num_rows == 0:
         return y
     cfg = cfg or default_config(num_rows, n, k)
