@@ -10,8 +10,7 @@ are the same steps with async scheduling off (each step's tokens read back befor
 "graphs-inline" runs have the LoRA kernels in line on the compute stream instead of beside the base GEMMs;
 "graphs-cublas" runs send every projection to cuBLAS: batch 1 instead of the small-batch GEMV (kernels/gemv.py),
 batch 32 instead of the skinny kernel (kernels/skinny_gemm.py); "graphs-nopdl" runs launch every kernel only
-once the one before it has ended (WorkerConfig.programmatic_launch off, kernels/pdl.py); "graphs-streamk" runs
-give the skinny kernel its stream-K form (WorkerConfig.skinny_stream_k).
+once the one before it has ended (WorkerConfig.programmatic_launch off, kernels/pdl.py).
 """
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
              "graphs-cublas": list(RUNS),        # what the small-batch GEMV and the skinny kernel buy
-             "graphs-nopdl": list(RUNS),         # what programmatic dependent launch buys
-             "graphs-streamk": ["b32_base", "b32_32lora16"]}   # what stream-K tiles buy the skinny kernel
+             "graphs-nopdl": list(RUNS)}         # what programmatic dependent launch buys
 PROFILED = ["b1_base", "b32_base", "b32_32lora16"]
 
 
@@ -64,14 +62,14 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
                  side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = True,
-                 programmatic_launch: bool = True, skinny_stream_k: bool = False) -> Engine:
+                 programmatic_launch: bool = True) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16, lora_side_stream=side_stream),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096),
         device="cuda", enforce_eager=eager, async_scheduling=async_scheduling, small_batch_gemv=small_batch_gemv,
-        skinny_gemm=skinny_gemm, skinny_stream_k=skinny_stream_k, programmatic_launch=programmatic_launch))
+        skinny_gemm=skinny_gemm, programmatic_launch=programmatic_launch))
 
 
 def start_requests(engine: Engine, batch: int, adapters: list[str | None], prefix: str,
@@ -182,7 +180,6 @@ RATIOS = {   # name: (numerator run, its field, denominator run, its field)
                                         for run in ("b1_base", "b1_lora16", "b32_base", "b32_32lora16")}),
     **_against_graphs("graphs-nopdl", {run: f"{run}_nopdl_over_pdl"
                                        for run in ("b1_base", "b1_lora16", "b32_base", "b32_32lora16")}),
-    **_against_graphs("graphs-streamk", {run: f"{run}_streamk_over_tiled" for run in ("b32_base", "b32_32lora16")}),
 }
 
 
@@ -210,8 +207,7 @@ def main() -> None:
             eager, sync, inline = mode == "eager", mode == "graphs-sync", mode == "graphs-inline"
             engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync, side_stream=not inline,
                                   small_batch_gemv=mode != "graphs-cublas", skinny_gemm=mode != "graphs-cublas",
-                                  programmatic_launch=mode != "graphs-nopdl",
-                                  skinny_stream_k=mode == "graphs-streamk")
+                                  programmatic_launch=mode != "graphs-nopdl")
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)

@@ -2,8 +2,7 @@
 
 At Llama-3.1-8B's projection shapes and `--rows` rows of x (the engine sends it 3-32), times F.linear
 (cuBLAS, as the engine ran before), the small-batch GEMV (kernels/gemv.py) where it takes the rows, and the
-kernel under its default config (with `--sweep`, under every candidate config), and in its stream-K form
-(`stream_k`: one program per SM sharing the default tiles; `stream_k2`: two per SM, in 4 stages so two fit). Each timing is one CUDA graph
+kernel under its default config (with `--sweep`, under every candidate config). Each timing is one CUDA graph
 of `--iters` calls cycling over enough copies of the weight (>= 256 MB in all) that no call finds its W in L2,
 as in a decode step. Bandwidth = bytes of W / time, also as a share of the measured copy bandwidth.
 
@@ -22,13 +21,7 @@ from worker.kernels import gemv, skinny_gemm as sg
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("cublas", "gemv", "default", "best", "stream_k", "stream_k2")
-
-
-def stream_k_configs(rows: int, n: int, k: int, sms: int) -> dict[str, sg.Config]:
-    """The stream-K variants: the tiled default's tiles over one program per SM (5 stages) and two (4 stages)."""
-    tiles = sg.default_config(rows, n, k, sms)
-    return {"stream_k": tiles, "stream_k2": sg.Config(tiles.block_n, tiles.block_k, 1, tiles.num_warps, 4, 2 * sms)}
+VARIANTS = ("cublas", "gemv", "default", "best")
 
 
 def candidates(n: int, k: int, rows: int = 32) -> list[sg.Config]:
@@ -50,9 +43,7 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -
     with projection_timer(n, k, rows, iters, copy_gbps) as (x, time_of, entry):
         result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": n * k * 2,
                   "default_config": vars(default), "cublas": entry(time_of(lambda w: F.linear(x, w))),
-                  "default": entry(time_of(lambda w: sg.skinny_gemm(x, w, cfg=default)))}
-        for variant, cfg in stream_k_configs(rows, n, k, sg.sm_count(x.device)).items():
-            result[variant] = entry(time_of(lambda w, cfg=cfg: sg.skinny_gemm(x, w, cfg=cfg)))
+                  "default": entry(time_of(lambda w: sg.skinny_gemm(x, w)))}
         if rows <= gemv.MAX_ROWS:
             result["gemv"] = entry(time_of(lambda w: gemv.gemv(x, w)))
         if sweep:

@@ -73,7 +73,6 @@ class WorkerConfig:
     async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
     small_batch_gemv: bool = True  # CUDA: projections of <= 2 rows use kernels/gemv.py instead of cuBLAS
     skinny_gemm: bool = True       # CUDA: projections of 3-32 rows use kernels/skinny_gemm.py instead of cuBLAS
-    skinny_stream_k: bool = False  # CUDA: ... and its stream-K form (a program per SM sharing the tiles); process-wide
     programmatic_launch: bool = True  # CUDA (Hopper+): the Triton kernels of a step start while the kernel before
                                       # them ends (kernels/pdl.py); process-wide
     # CUDA graphs for batches with prefill tokens, up to this many tokens (capped by max_num_batched_tokens);

@@ -37,14 +37,6 @@ def test_a_candidate_of_every_kind_computes_the_projection():
         torch.testing.assert_close(sg.skinny_gemm(x, w, cfg=small), reference.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
-def test_stream_k_variants_share_the_default_tiles_over_one_and_two_programs_per_sm():
-    configs = bench.stream_k_configs(32, 6144, 4096, sms=132)
-    tiled = sg.default_config(32, 6144, 4096)
-    assert [c.programs for c in configs.values()] == [132, 264]
-    assert all((c.block_n, c.block_k, c.split_k) == (tiled.block_n, tiled.block_k, 1) for c in configs.values())
-    assert configs["stream_k2"].num_stages * (tiled.block_n + 32) * tiled.block_k * 2 * 2 <= 227 << 10
-
-
 def test_step_totals_weigh_each_shape_by_its_launches_per_step():
     """Variants are totalled where every shape has them; row counts missing a shape get no total."""
     results = [{"shape": name, "rows": 32, "cublas": {"us": 10.0 * (i + 1)}, "default": {"us": 1.0}}

@@ -11,13 +11,6 @@ adds the parts in part order, so the result does not depend on which part finish
 live in one int32 buffer per device (`sync_buffer`), zero between launches (the last part resets its
 tile's); launches that share it must not run concurrently: the engine issues them on one stream.
 
-Stream-K (Config.programs > 0): a fixed number of programs, about one per SM, share the (column tile, K step)
-units evenly, each a contiguous run of them in one flat loop that its pipeline streams through without a
-break at tile boundaries; a program finishing a tile it covered whole stores it, and the parts of a tile that
-two or more programs share meet as above (workspace, counter, the last to arrive adds them in program order).
-Every SM then reads the same share of W whatever the shape, where one program per tile leaves SMs idle in
-the last wave (qkv's 96 tiles on 132 SMs, gate_up's 448 in 3.4 waves).
-
 Rounding: one float32 sum per output (parts added in order), the bias added in float32, one rounding to x's
 dtype, as cuBLAS's epilogue does; only the summation order differs.
 """
@@ -38,21 +31,6 @@ SYNC_WORDS = 4096      # arrival counters per device, one per column tile of a s
 SMEM_BYTES = 200 << 10  # shared memory the pipeline's stages may take (an H100 SM has 227 KB)
 
 _sync: dict[torch.device, torch.Tensor] = {}
-
-STREAM_K = False       # default_config() picks stream-K tiles (process-wide; WorkerConfig.skinny_stream_k sets it)
-
-
-def set_stream_k(enabled: bool) -> None:
-    global STREAM_K
-    STREAM_K = enabled
-
-
-@lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the Triton interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sync_buffer(device: torch.device) -> torch.Tensor:
@@ -75,30 +53,17 @@ class Config:
     split_k: int       # parts along K (narrow projections: enough programs for every SM)
     num_warps: int = 4
     num_stages: int = 5  # at most: fewer when the stages would not fit SMEM_BYTES (wide rows, float32)
-    programs: int = 0    # > 0: stream-K over at most this many programs (split_k unused); 0: a program per tile
 
 
 @lru_cache(maxsize=None)       # called per launch; eager steps are bound by host time
-def default_config(num_rows: int, n: int, k: int, sms: int = 0) -> Config:
+def default_config(num_rows: int, n: int, k: int) -> Config:
     """Tiles for x [num_rows, k] @ W [n, k]^T, from bench/kernels_skinny.py's sweep at 32 rows on an H100
     (Llama-3.1-8B shapes): 64 columns and 128 K per step in 5 stages; K cut in two when there are fewer than
-    96 column tiles (o_proj and down_proj's 64), not above (qkv's 96 and gate_up's 448 were slower cut).
-    sms > 0: the same tiles in stream-K over one program per SM."""
+    96 column tiles (o_proj and down_proj's 64), not above (qkv's 96 and gate_up's 448 were slower cut)."""
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
-    if sms > 0:
-        return Config(block_n, block_k, 1, programs=sms)
     split = 2 if triton.cdiv(n, block_n) < 96 and k >= 4 * block_k else 1
     return Config(block_n, block_k, split)
-
-
-@triton.jit
-def _store_rows(y_ptr, bias_ptr, acc, offs_n, offs_m, mask_n, mask_m, stride_ym, HAS_BIAS: tl.constexpr):
-    """y[m, n] = round(acc[n, m] (+ bias[n]))."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -149,70 +114,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, sync_ptr, num_row
                 acc += tl.load(ws_tile + p * N * BLOCK_M, mask=mask_n[:, None], other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(sync_ptr + tile, 0)
     if last:
-        _store_rows(y_ptr, bias_ptr, acc, offs_n, offs_m, mask_n, mask_m, stride_ym, HAS_BIAS)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def _skinny_gemm_stream_k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, sync_ptr, num_rows, N, K, stride_xm,
-                                 stride_wn, stride_ym, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                                 K_STEPS: tl.constexpr, UNITS: tl.constexpr, UNITS_PER: tl.constexpr,
-                                 MAX_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Semantics as _skinny_gemm_kernel's.
-
-    Unit u is K step u % K_STEPS of column tile u // K_STEPS; program p takes units [p, p + 1) * UNITS_PER
-    (the last fewer). A tile's units that one program holds form one part; a tile held whole is stored at
-    once, else each part goes to ws[2 * p + (0 if it is p's first tile else 1)] and the last part to arrive
-    (the tile's counter) adds the tile's parts in program order, at most MAX_PARTS of them.
-    """
-    pdl.launch_dependents(PDL)
-    p = tl.program_id(0)
-    u0 = p * UNITS_PER
-    u1 = tl.minimum(u0 + UNITS_PER, UNITS)
-    first_tile = u0 // K_STEPS
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_t = tl.arange(0, BLOCK_N)                        # column within the tile
-    mask_m = offs_m < num_rows
-    ws_offs = offs_t[:, None] * BLOCK_M + offs_m[None, :]
-    pdl.wait(PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for u in range(u0, u1):
-        tile = u // K_STEPS
-        k0 = (u - tile * K_STEPS) * BLOCK_K
-        offs_n = tile * BLOCK_N + offs_t
-        mask_n = offs_n < N
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :]
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]      # x^T: [BLOCK_K, BLOCK_M]
-        if EVEN_K:
-            wt = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
-            xt = tl.load(x_ptrs, mask=mask_m[None, :], other=0.0)
-        else:
-            mask_k = offs_k < K - k0
-            wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-            xt = tl.load(x_ptrs, mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-        acc = tl.dot(wt, xt, acc, input_precision=DOT_PRECISION)
-        tile_end = k0 + BLOCK_K >= K
-        if tile_end | (u == u1 - 1):
-            if tile_end & (tile * K_STEPS >= u0):         # the whole tile was this program's
-                _store_rows(y_ptr, bias_ptr, acc, offs_n, offs_m, mask_n, mask_m, stride_ym, HAS_BIAS)
-            else:
-                slot = (tile != first_tile).to(tl.int32)
-                tl.store(ws_ptr + (2 * p + slot) * (BLOCK_N * BLOCK_M) + ws_offs, acc)
-                tl.debug_barrier()                        # every thread's part stored before the arrival counts
-                arrived = tl.atomic_add(sync_ptr + tile, 1, sem="acq_rel")
-                p_first = (tile * K_STEPS) // UNITS_PER
-                p_last = ((tile + 1) * K_STEPS - 1) // UNITS_PER
-                if arrived == p_last - p_first:
-                    total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                    for i in tl.static_range(MAX_PARTS):
-                        q = p_first + i
-                        q_slot = (tile != (q * UNITS_PER) // K_STEPS).to(tl.int32)
-                        total += tl.load(ws_ptr + (2 * q + q_slot) * (BLOCK_N * BLOCK_M) + ws_offs,
-                                         mask=(ws_offs >= 0) & (q <= p_last), other=0.0, cache_modifier=".cg")
-                    tl.atomic_xchg(sync_ptr + tile, 0)
-                    _store_rows(y_ptr, bias_ptr, total, offs_n, offs_m, mask_n, mask_m, stride_ym, HAS_BIAS)
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -222,31 +127,19 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y, num_rows, n, k = projection_output(x, weight, MAX_ROWS)
     if num_rows == 0:
         return y
-    cfg = cfg or default_config(num_rows, n, k, sm_count(x.device) if STREAM_K else 0)
+    cfg = cfg or default_config(num_rows, n, k)
     block_m = max(16, triton.next_power_of_2(num_rows))
     stage_bytes = (cfg.block_n + block_m) * cfg.block_k * x.element_size()
     stages = max(1, min(cfg.num_stages, SMEM_BYTES // stage_bytes))
+    k_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     num_tiles = triton.cdiv(n, cfg.block_n)
     sync = sync_buffer(x.device)
-    common = dict(HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                  num_warps=cfg.num_warps, num_stages=stages, **pdl.launch_options(x.device))
-    args = (x, weight, bias if bias is not None else x, y)
-    if cfg.programs > 0:
-        assert num_tiles <= SYNC_WORDS, "too many column tiles for the counters"
-        k_steps = triton.cdiv(k, cfg.block_k)
-        units = num_tiles * k_steps
-        per = triton.cdiv(units, cfg.programs)
-        programs = triton.cdiv(units, per)
-        ws = torch.empty(2 * programs * cfg.block_n * block_m, dtype=torch.float32, device=x.device)
-        _skinny_gemm_stream_k_kernel[(programs,)](
-            *args, ws, sync, num_rows, n, k, x.stride(0), weight.stride(0), y.stride(0), K_STEPS=k_steps,
-            UNITS=units, UNITS_PER=per, MAX_PARTS=triton.cdiv(k_steps, per) + 1, **common)
-        return y
-    k_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     assert cfg.split_k == 1 or num_tiles <= SYNC_WORDS, "too many column tiles for the counters"
     ws = torch.empty(cfg.split_k * n * block_m if cfg.split_k > 1 else 1, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(num_tiles * cfg.split_k,)](
-        *args, ws, sync, num_rows, n, k, x.stride(0), weight.stride(0), y.stride(0), SPLIT_K=cfg.split_k,
-        K_SPLIT=k_split, **common)
+        x, weight, bias if bias is not None else x, y, ws, sync, num_rows, n, k, x.stride(0), weight.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0, SPLIT_K=cfg.split_k, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+        num_stages=stages, **pdl.launch_options(x.device))
     return y

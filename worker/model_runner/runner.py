@@ -77,7 +77,6 @@ class ModelRunner:
             if config.skinny_gemm:
                 from worker.kernels import skinny_gemm   # Triton; imported here so CPU installs need none
                 skinny_gemm.sync_buffer(device)          # before any graph capture
-                skinny_gemm.set_stream_k(config.skinny_stream_k)
                 skinny_rows = min(SKINNY_MAX_ROWS, skinny_gemm.MAX_ROWS)
             set_small_batch_rows(self.model, GEMV_MAX_ROWS if config.small_batch_gemv else 0, skinny_rows)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
