@@ -163,18 +163,20 @@ def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_mode
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_programmatic_launch_changes_no_logit(hf_models, enforce_eager):
+@pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
+def test_programmatic_launch_changes_no_logit(hf_models, enforce_eager, num_rows):
     """Kernels that start while the one before them ends (kernels/pdl.py) wait for it before reading its
     output: every logit is bitwise what the engine computes with each kernel launched after the last ended.
-    Both engines run the same batches (make_engine)."""
+    Both engines run the same batches (make_engine). At 2 rows the projections are GEMVs beside the LoRA
+    kernels: launched late, letting the next kernel launch early."""
     from worker.kernels import pdl
     try:
         steps_on, steps_off = [], []
         tokens_on, on = run(make_engine(hf_models["llama"], enforce_eager, programmatic_launch=True),
-                            capture_logits=True, steps=steps_on)
+                            ROWS[:num_rows], capture_logits=True, steps=steps_on)
         assert pdl.ENABLED and pdl.active(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
         tokens_off, off = run(make_engine(hf_models["llama"], enforce_eager, programmatic_launch=False),
-                              capture_logits=True, steps=steps_off)
+                              ROWS[:num_rows], capture_logits=True, steps=steps_off)
         assert not pdl.active(torch.device("cuda"))
     finally:
         pdl.set_enabled(True)

@@ -259,8 +259,8 @@ def _tile_config(max_query_len: int, group: int, device: torch.device) -> tuple[
     """(BLOCK_M rows of (token, head) pairs, BLOCK_N keys, num_warps, num_stages); BLOCK_M holds a token."""
     if device.type != "cuda":                       # interpreter: small tiles keep numpy work tiny
         return max(16, triton.next_power_of_2(group)), 16, 4, 1
-    if max_query_len * group <= 16:
-        return max(16, triton.next_power_of_2(group)), 64, 4, 3
+    if max_query_len * group <= 16:     # decode: 8 warps, 2 stages (bench.kernels_attention --step-sweep, H100)
+        return max(16, triton.next_power_of_2(group)), 64, 8, 2
     return max(64, triton.next_power_of_2(group)), 64, 4, 3
 
 

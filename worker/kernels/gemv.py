@@ -91,9 +91,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     -> y: [M, N] in x's dtype. `cfg` overrides config() (benchmarks).
 
     early_launch=False: launched only once the previous kernel has ended, even where kernels/pdl.py is
-    active. For a GEMV with LoRA kernels on a second stream beside it: its programs fill every SM's warp
-    slots, so launched early they keep those kernels off the SMs until the GEMV ends (measured at batch 1
-    with one adapter: 7% slower steps)."""
+    active, though it still lets the next kernel launch early. For a GEMV with LoRA kernels on a second stream
+    beside it: its programs fill every SM's warp slots, so launched early they keep those kernels off the SMs
+    until the GEMV ends (measured at batch 1 with one adapter: 7% slower steps); letting the next kernel launch
+    early gained 1.8% there (BENCHMARKS.md)."""
     y, num_rows, n, k = projection_output(x, weight, MAX_ROWS)
     if num_rows == 0:
         return y
@@ -102,5 +103,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, num_rows, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, **(pdl.launch_options(x.device) if early_launch else {"PDL": False}))
+        BLOCK_K=block_k, num_warps=num_warps,
+        **(pdl.launch_options(x.device) if early_launch else {"PDL": pdl.active(x.device)}))
     return y
