@@ -75,19 +75,24 @@ class Result:
     gbps: float
 
 
-def graph_time_us(fns: list[Callable[[], object]], iters: int) -> float:
+def graph_time_us(fns: list[Callable[[], object]], iters: int, finish: Callable[[], object] | None = None) -> float:
     """Mean time of one call, `iters` calls cycling over fns, captured in one CUDA graph (each fn is run
-    once before capture: compiles Triton kernels, warms cuBLAS)."""
+    once before capture: compiles Triton kernels, warms cuBLAS); `finish` runs once after the calls (in the
+    graph: joining streams the calls forked)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for fn in fns:
             fn()
+        if finish is not None:
+            finish()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(iters):
             fns[i % len(fns)]()
+        if finish is not None:
+            finish()
     graph.replay()                                     # warm-up
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

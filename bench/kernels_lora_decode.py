@@ -9,7 +9,9 @@ rank-16 adapter (slots of rank 16), times per shape:
 - `inline`: the GEMM, then the shrink and the expand into y (the eager path);
 - `beside`: the shrink and the expand into a float32 delta on a second, high-priority stream, forked before
   the GEMM and joined after it (the decode-graph path of layers/linear.py; the next kernel's add of the delta
-  is not counted).
+  is not counted);
+- `unjoined`: as `beside`, but the compute stream never waits for the side stream (one join after all the
+  calls): not a correct step (the next kernel needs the delta), the bound on what the joins cost.
 Each timing is one CUDA graph of `--iters` calls cycling over enough copies of W and of the slot pool
 (>= 256 MB in all) that no call finds its bytes in L2, as in a decode step. With `--sweep`, `inline` and
 `beside` are also timed over the kernels' block configs, coordinate-wise: every expand candidate under the
@@ -43,7 +45,8 @@ SHAPES = {"qkv": (4096, (0, 4096, 5120, 6144)), "o": (4096, (0, 4096)), "gate_up
           "down": (14336, (0, 4096))}
 LAYERS = 32                      # launches of each shape per Llama-3.1-8B decode step
 RANK = 16
-MODES = ("inline", "beside")
+SWEPT = ("inline", "beside")     # modes --sweep times over the block configs
+MODES = (*SWEPT, "unjoined")
 
 SHRINK_CANDIDATES = [dict(BLOCK_M=1, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3)
                      for n, k, w in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))
@@ -84,7 +87,10 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
         xa = shrink_module.lora_shrink(x, a, seg_indptr, slots, ranks, num_slices, rows, 1)
         expand_module.lora_expand(y, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1)
 
-    def beside(i: int) -> None:
+    def join() -> None:
+        torch.cuda.current_stream().wait_stream(side)
+
+    def beside(i: int, joined: bool = True) -> None:
         a, b = pools[i]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -93,14 +99,16 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
             expand_module.lora_expand(delta, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1,
                                       accumulate=False)
         gemm(i)
-        torch.cuda.current_stream().wait_stream(side)
+        if joined:
+            join()
 
     y_lora = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
     calls = {"gemm": gemm, "lora": lambda i: lora_inline(i, y_lora), "inline": lambda i: lora_inline(i, gemm(i)),
-             "beside": beside}
+             "beside": beside, "unjoined": lambda i: beside(i, joined=False)}
 
     def time_of(variant: str) -> float:
-        return graph_time_us([lambda i=i: calls[variant](i) for i in range(copies)], iters)
+        return graph_time_us([lambda i=i: calls[variant](i) for i in range(copies)], iters,
+                             finish=join if variant == "unjoined" else None)
 
     def entry(us: float, num_bytes: int) -> dict:
         gbps = num_bytes / us / 1e3
@@ -119,7 +127,7 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
                              for pair_name, us in times.items()}
     for mode in MODES:
         result[mode] = entry(time_of(mode), w_bytes + a_bytes)
-        if not sweep:
+        if not sweep or mode not in SWEPT:
             continue
         expand_times = []
         for cfg in EXPAND_CANDIDATES:
@@ -138,7 +146,7 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
     pools.clear()
     torch.cuda.empty_cache()
     logger.info("%s rows=%d: %s", name, rows, {v: result[v]["us"] for v in
-                                                ("gemm", "lora", *MODES, *(f"{m}_best" for m in MODES)) if v in result})
+                                                ("gemm", "lora", *MODES, *(f"{m}_best" for m in SWEPT)) if v in result})
     return result
 
 
@@ -150,7 +158,7 @@ def step_totals(results: list[dict]) -> dict:
         sel = [r for r in results if r["rows"] == rows]
         if {r["shape"] for r in sel} != set(SHAPES):
             continue
-        variants = ("gemm", "lora", *MODES, *(f"{m}_best" for m in MODES))
+        variants = ("gemm", "lora", *MODES, *(f"{m}_best" for m in SWEPT))
         ms = {v: round(sum(LAYERS * r[v]["us"] for r in sel) / 1e3, 3) for v in variants if all(v in r for r in sel)}
         ms.update({f"{v}_over_gemm": round(ms[v] - ms["gemm"], 3) for v in variants[2:] if v in ms})
         if all("compare" in r for r in sel):

@@ -91,6 +91,9 @@ def test_step_totals_weigh_each_shape_by_the_layers_and_give_the_adapters_margin
     assert totals[32] == pytest.approx({"gemm": 3.2, "lora": 0.256, "inline": 3.712, "beside": 3.584,
                                         "inline_over_gemm": 0.512, "beside_over_gemm": 0.384})
     for i, r in enumerate(results[:4]):
+        r["unjoined"] = {"us": 10.0 * (i + 1) + 1}
+    assert bench.step_totals(results)[32]["unjoined_over_gemm"] == pytest.approx(0.128)
+    for i, r in enumerate(results[:4]):
         r["compare"] = {"own": {"us": 5.0}, "pair": {"us": 4.0 + i}}
     assert bench.step_totals(results)[32]["compare_beside"] == pytest.approx({"own": 0.64, "pair": 32 * 22 / 1e3})
 
