@@ -79,8 +79,8 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
     seg_indptr = torch.arange(rows + 1, device=dev, dtype=torch.int32)
     side = torch.cuda.Stream(priority=-1)
 
-    def gemm(i: int) -> torch.Tensor:
-        return project(x, weights[i], None, GEMV_MAX_ROWS, SKINNY_MAX_ROWS if skinny else 0)
+    def gemm(i: int, beside_lora: bool = False) -> torch.Tensor:
+        return project(x, weights[i], None, GEMV_MAX_ROWS, SKINNY_MAX_ROWS if skinny else 0, beside_lora)
 
     def lora_inline(i: int, y: torch.Tensor) -> None:
         a, b = pools[i]
@@ -98,7 +98,7 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_
             delta = torch.empty(rows, n, dtype=torch.float32, device=dev)
             expand_module.lora_expand(delta, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1,
                                       accumulate=False)
-        gemm(i)
+        gemm(i, beside_lora=True)               # as layers/linear.py launches it (a GEMV then launches late)
         if joined:
             join()
 

@@ -11,6 +11,7 @@ as in a decode step. Bandwidth = bytes of W / time, also as a share of the measu
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import logging
 
@@ -21,7 +22,7 @@ from worker.kernels import gemv, skinny_gemm as sg
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("cublas", "gemv", "default", "best")
+VARIANTS = ("cublas", "gemv", "default", "best", "occupancy_best")
 
 
 def candidates(n: int, k: int, rows: int = 32) -> list[sg.Config]:
@@ -37,7 +38,25 @@ def candidates(n: int, k: int, rows: int = 32) -> list[sg.Config]:
     return out
 
 
-def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:
+SM_SHARED_BYTES = 227 << 10   # shared memory an H100 SM gives the programs resident on it
+
+
+def occupancy_candidates(n: int, k: int, rows: int = 32) -> list[tuple[int, sg.Config]]:
+    """(programs per SM the shared memory allows, config): column tiles of 32 or 64, K steps of 64-256, 4 or 8 warps, and the most
+    stages (2-8) that let 1, 2 or 3 programs share an SM's shared memory; K cut in two below 96 tiles, as
+    default_config() does. (candidates() gives every program the most stages: one program per SM.)"""
+    out: dict[sg.Config, int] = {}
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    for block_n, block_k, per_sm, warps in itertools.product((32, 64), (64, 128, 256), (1, 2, 3), (4, 8)):
+        stage_bytes = (block_n + block_m) * block_k * 2
+        stages = min(8, min(sg.SMEM_BYTES, SM_SHARED_BYTES // per_sm - (4 << 10)) // stage_bytes)
+        split = 2 if -(-n // block_n) < 96 and k >= 4 * block_k else 1
+        if stages >= 2:                  # programs per SM that the stages actually allow
+            out[sg.Config(block_n, block_k, split, warps, stages)] = SM_SHARED_BYTES // (stages * stage_bytes + (4 << 10))
+    return [(per_sm, cfg) for cfg, per_sm in out.items()]
+
+
+def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float, occupancy: bool = False) -> dict:
     n, k = SHAPES[name]
     default = sg.default_config(rows, n, k)
     with projection_timer(n, k, rows, iters, copy_gbps) as (x, time_of, entry):
@@ -52,6 +71,13 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -
             best_cfg, best_us = min(timings, key=lambda t: t[1])
             result["best_config"], result["best"] = vars(best_cfg), entry(best_us)
             result["sweep"] = [[vars(cfg), round(us, 2)] for cfg, us in timings]
+        if occupancy:
+            timings = [(per_sm, cfg, time_of(lambda w, cfg=cfg: sg.skinny_gemm(x, w, cfg=cfg)))
+                       for per_sm, cfg in occupancy_candidates(n, k, rows)]
+            per_sm, best_cfg, best_us = min(timings, key=lambda t: t[2])
+            result["occupancy_best_config"] = {**vars(best_cfg), "per_sm": per_sm}
+            result["occupancy_best"] = entry(best_us)
+            result["occupancy_sweep"] = [[{**vars(cfg), "per_sm": p}, round(us, 2)] for p, cfg, us in timings]
     logger.info("%s rows=%d: %s", name, rows, {v: result[v] for v in VARIANTS if v in result})
     return result
 
@@ -74,8 +100,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[32], help="rows of x (decode batch sizes)")
     parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
     parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    parser.add_argument("--occupancy", action="store_true",
+                        help="also time configs that fit 1-3 programs per SM (occupancy_candidates)")
     args = parser.parse_args()
-    time_projections("kernels_skinny", args, args.rows, run_shape, step_totals)
+    time_projections("kernels_skinny", args, args.rows, functools.partial(run_shape, occupancy=args.occupancy),
+                     step_totals)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,18 @@ def test_a_candidate_of_every_kind_computes_the_projection():
         torch.testing.assert_close(sg.skinny_gemm(x, w, cfg=small), reference.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", bench.SHAPES)
+def test_occupancy_candidates_fit_their_programs_per_sm(shape):
+    n, k = bench.SHAPES[shape]
+    found = bench.occupancy_candidates(n, k, 32)
+    assert len({cfg for _, cfg in found}) == len(found) >= 20
+    assert {per_sm for per_sm, _ in found} >= {1, 2, 3}
+    for per_sm, cfg in found:
+        smem = cfg.num_stages * (cfg.block_n + 32) * cfg.block_k * 2
+        assert 2 <= cfg.num_stages <= 8 and smem <= sg.SMEM_BYTES
+        assert per_sm * (smem + (4 << 10)) <= bench.SM_SHARED_BYTES < (per_sm + 1) * (smem + (4 << 10))
+
+
 def test_step_totals_weigh_each_shape_by_its_launches_per_step():
     """Variants are totalled where every shape has them; row counts missing a shape get no total."""
     results = [{"shape": name, "rows": 32, "cublas": {"us": 10.0 * (i + 1)}, "default": {"us": 1.0}}
