@@ -42,17 +42,18 @@ SM_SHARED_BYTES = 227 << 10   # shared memory an H100 SM gives the programs resi
 
 
 def occupancy_candidates(n: int, k: int, rows: int = 32) -> list[tuple[int, sg.Config]]:
-    """(programs per SM the shared memory allows, config): column tiles of 32 or 64, K steps of 64-256, 4 or 8 warps, and the most
-    stages (2-8) that let 1, 2 or 3 programs share an SM's shared memory; K cut in two below 96 tiles, as
-    default_config() does. (candidates() gives every program the most stages: one program per SM.)"""
+    """(programs per SM that the config's shared memory allows, config): column tiles of 32 or 64, K steps of
+    64-256, 4 or 8 warps, and the most stages (2-8) that let 1, 2 or 3 programs share an SM; K cut in two below
+    96 tiles, as default_config() does. (candidates() gives every program the most stages: one per SM.)"""
     out: dict[sg.Config, int] = {}
     block_m = max(16, 1 << (rows - 1).bit_length())
-    for block_n, block_k, per_sm, warps in itertools.product((32, 64), (64, 128, 256), (1, 2, 3), (4, 8)):
+    for block_n, block_k, target, warps in itertools.product((32, 64), (64, 128, 256), (1, 2, 3), (4, 8)):
         stage_bytes = (block_n + block_m) * block_k * 2
-        stages = min(8, min(sg.SMEM_BYTES, SM_SHARED_BYTES // per_sm - (4 << 10)) // stage_bytes)
+        stages = min(8, min(sg.SMEM_BYTES, SM_SHARED_BYTES // target - (4 << 10)) // stage_bytes)
         split = 2 if -(-n // block_n) < 96 and k >= 4 * block_k else 1
-        if stages >= 2:                  # programs per SM that the stages actually allow
-            out[sg.Config(block_n, block_k, split, warps, stages)] = SM_SHARED_BYTES // (stages * stage_bytes + (4 << 10))
+        if stages >= 2:
+            out[sg.Config(block_n, block_k, split, warps, stages)] = (SM_SHARED_BYTES
+                                                                      // (stages * stage_bytes + (4 << 10)))
     return [(per_sm, cfg) for cfg, per_sm in out.items()]
 
 
