@@ -91,32 +91,40 @@ def step_totals(results: list[dict]) -> dict:
     return totals
 
 
-def time_projections(bench: str, args: argparse.Namespace, row_counts, run_shape, step_totals) -> None:
+def projection_parser(doc: str, rows_help: str | None = None) -> argparse.ArgumentParser:
+    """The projection benches' common options: --out, --iters, --sweep, and --rows where rows_help is given."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the results")
+    if rows_help:
+        parser.add_argument("--rows", type=int, nargs="+", default=[32], help=rows_help)
+    parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    return parser
+
+
+def time_projections(bench: str, args: argparse.Namespace, row_counts, run_shape, step_totals, shapes=SHAPES,
+                     extra: dict | None = None, what: str = "projections") -> None:
     """Time every shape at each row count (run_shape(name, rows, iters, sweep, copy GB/s) -> result), writing
-    {device, copy bandwidth, results, step_totals(results)} to args.out after each shape (a cut-off run keeps
-    what it has); print the per-step totals at the end."""
+    {device, copy bandwidth, **extra, results, step_totals(results)} to args.out after each shape (a cut-off
+    run keeps what it has); print the per-step totals of `what` at the end."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.{bench} needs a CUDA device")
     copy_gbps = copy_bandwidth() / 1e9
     results = []
     for rows in row_counts:
-        for name in SHAPES:
+        for name in shapes:
             results.append(run_shape(name, rows, args.iters, args.sweep, copy_gbps))
             payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
-                       "results": results, "step_ms": step_totals(results)}
+                       **(extra or {}), "results": results, "step_ms": step_totals(results)}
             with open(args.out, "w") as f:
                 json.dump(payload, f, indent=1)
     for rows, totals in payload["step_ms"].items():
-        print(f"rows={rows}: projections per decode step (ms): {totals}")
+        print(f"rows={rows}: {what} per decode step (ms): {totals}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file for the results")
-    parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
-    parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
-    args = parser.parse_args()
+    args = projection_parser(__doc__).parse_args()
     time_projections("kernels_gemv", args, ROWS, run_shape,
                      lambda results: step_totals(results) if len(results) == len(ROWS) * len(SHAPES) else None)
 

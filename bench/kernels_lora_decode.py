@@ -25,7 +25,7 @@ against noise. Bandwidth = bytes that must be read / time.
 """
 from __future__ import annotations
 
-import argparse
+import functools
 import itertools
 import json
 import logging
@@ -33,7 +33,7 @@ import statistics
 
 import torch
 
-from bench.decode_step import copy_bandwidth
+from bench.kernels_gemv import projection_parser, time_projections
 from bench.kernels_lora import graph_time_us, kernel_configs
 from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
 from worker.layers.linear import project
@@ -60,7 +60,7 @@ def lora_bytes(rows: int, k: int, n: int, num_slices: int, rank: int = RANK) -> 
     return rows * (num_slices * rank * k + n * rank) * 2
 
 
-def run_shape(name: str, rows: int, iters: int, sweep: bool, skinny: bool, copy_gbps: float,
+def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float, skinny: bool = False,
               compare: dict | None = None, repeat: int = 3) -> dict:
     k, offsets = SHAPES[name]
     n, num_slices = offsets[-1], len(offsets) - 1
@@ -169,12 +169,9 @@ def step_totals(results: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file for the results")
-    parser.add_argument("--rows", type=int, nargs="+", default=[32], help="decode rows, each on its own adapter")
-    parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
-    parser.add_argument("--sweep", action="store_true", help="also time the kernels' block-config candidates")
-    parser.add_argument("--skinny", action="store_true", help="3-32 rows on kernels/skinny_gemm.py (the engine's default), not cuBLAS")
+    parser = projection_parser(__doc__, rows_help="decode rows, each on its own adapter")
+    parser.add_argument("--skinny", action="store_true",
+                        help="3-32 rows on kernels/skinny_gemm.py (the engine's default), not cuBLAS")
     parser.add_argument("--compare", help="JSON file of named (shrink, expand) config pairs to time `beside` under")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds of --compare (medians kept)")
     args = parser.parse_args()
@@ -182,22 +179,10 @@ def main() -> None:
     if args.compare:
         with open(args.compare) as f:
             compare = json.load(f)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.kernels_lora_decode needs a CUDA device")
-    copy_gbps = copy_bandwidth() / 1e9
-    results = []
-    for rows in args.rows:
-        for name in SHAPES:
-            results.append(run_shape(name, rows, args.iters, args.sweep, args.skinny, copy_gbps, compare,
-                                     args.repeat))
-            payload = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(copy_gbps, 1),
-                       "gemm": "skinny" if args.skinny else "cublas", "results": results,
-                       "step_ms": step_totals(results)}
-            with open(args.out, "w") as f:      # rewritten after each shape: a cut-off run keeps what it has
-                json.dump(payload, f, indent=1)
-    for rows, totals in payload["step_ms"].items():
-        print(f"rows={rows}: LoRA projections per decode step (ms): {totals}")
+    time_projections("kernels_lora_decode", args, args.rows,
+                     functools.partial(run_shape, skinny=args.skinny, compare=compare, repeat=args.repeat),
+                     step_totals, shapes=SHAPES, extra={"gemm": "skinny" if args.skinny else "cublas"},
+                     what="LoRA projections")
 
 
 if __name__ == "__main__":

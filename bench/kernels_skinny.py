@@ -10,14 +10,13 @@ as in a decode step. Bandwidth = bytes of W / time, also as a share of the measu
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import logging
 
 import torch.nn.functional as F
 
-from bench.kernels_gemv import PER_STEP, SHAPES, projection_timer, time_projections
+from bench.kernels_gemv import PER_STEP, SHAPES, projection_parser, projection_timer, time_projections
 from worker.kernels import gemv, skinny_gemm as sg
 
 logger = logging.getLogger(__name__)
@@ -96,11 +95,7 @@ def step_totals(results: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file for the results")
-    parser.add_argument("--rows", type=int, nargs="+", default=[32], help="rows of x (decode batch sizes)")
-    parser.add_argument("--iters", type=int, default=32, help="calls per timed CUDA graph")
-    parser.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    parser = projection_parser(__doc__, rows_help="rows of x (decode batch sizes)")
     parser.add_argument("--occupancy", action="store_true",
                         help="also time configs that fit 1-3 programs per SM (occupancy_candidates)")
     args = parser.parse_args()
