@@ -3,7 +3,8 @@
 Each step gives every request its next token; a request ends with "length" after max_tokens.
 Tokens cycle through ids of the model directory's tokenizer.json that decode on their own to
 printable text, so each token reaches the client as one SSE chunk and counts can be compared
-exactly. The engine interface is worker.engine.Engine's, as worker.__main__.Worker uses it.
+exactly. Adapters are names only: no tiers (a registered adapter counts as on the GPU, lora_stats
+is None) and no weights.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 import tokenizers
 
 from worker.config import WorkerConfig
-from worker.ipc.messages import RequestOutput, SamplingParams
+from worker.engine_interface import EngineInterface
+from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 
 MAX_MODEL_LEN = 1 << 20
 
@@ -27,7 +29,7 @@ class FastRequest:
     num_generated: int = 0
 
 
-class FastEngine:
+class FastEngine(EngineInterface):
     max_model_len = MAX_MODEL_LEN
     num_kv_blocks = 0
 
@@ -37,13 +39,22 @@ class FastEngine:
         self.eos_token_ids: list[int] = []
         self._token_ids = printable_token_ids(tokenizer)
         self._requests: dict[str, FastRequest] = {}
-        self._adapters: set[str] = set()
+        self._adapters: dict[str, AdapterState] = {}
 
     def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
-        self._adapters.add(name)
+        previous = self._adapters.get(name)
+        version = previous.version + 1 if previous is not None else 1
+        self._adapters[name] = AdapterState(name=name, path=path, version=version, residency="gpu", rank=0,
+                                            target_modules=[], pinned=pinned)
 
     def remove_adapter(self, name: str) -> None:
-        self._adapters.discard(name)
+        self._adapters.pop(name, None)
+
+    def adapter_states(self) -> list[AdapterState]:
+        return list(self._adapters.values())
+
+    def lora_stats(self) -> LoRAStats | None:
+        return None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora_name: str | None = None) -> None:

@@ -1,7 +1,9 @@
 """Command line: `loraplex serve --model DIR ...` (vLLM's flag names) and `loraplex demo`.
 
 Also `python -m gateway serve ...`. `demo` builds the embedded demo once (in a subprocess running
-`python -m worker.demo`, which prints its paths as JSON) and serves it with its adapters.
+`python -m worker.demo`, which prints its paths as JSON) and serves it with its adapters. Other
+subcommands come from the `loraplex.commands` entry points of installed packages (pyproject.toml
+registers `bench`): each is a `main(argv)` that gets every argument after its name.
 """
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ import logging
 import os
 import subprocess
 import sys
+from importlib.metadata import EntryPoint, entry_points
 
-from gateway.config import GatewayConfig, LoRAModule, parse_lora_module
+from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 
 logger = logging.getLogger("gateway")
 # Idle connections stay open longer than httpx (and so the OpenAI SDK) keeps them pooled (5 s): with equal
 # timeouts a client can send on a connection the server is closing and get a connection reset.
 KEEP_ALIVE_S = 15
+COMMANDS_GROUP = "loraplex.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,12 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", help="the model directory (same as --model)")
     serve.add_argument("--model", help="Hugging Face model directory: config.json, weights, tokenizer")
     _add_serving_args(serve)
-    commands.add_parser("bench", help="the serving benchmark (python -m bench.serve); `loraplex bench --help`",
-                        add_help=False)
+    for name, command in plugin_commands().items():
+        commands.add_parser(name, help=f"{command.module}'s command line; `loraplex {name} --help`", add_help=False)
     demo = commands.add_parser("demo", help="build (once) and serve the embedded demo model and adapters")
     demo.add_argument("--cache-dir", help="where the demo is built; default: worker.demo's own default")
     _add_serving_args(demo)
     return parser
+
+
+def plugin_commands() -> dict[str, EntryPoint]:
+    """Subcommands other installed packages add, by name: `loraplex.commands` entry points."""
+    return {command.name: command for command in entry_points(group=COMMANDS_GROUP)}
 
 
 def _add_serving_args(parser: argparse.ArgumentParser) -> None:
@@ -81,9 +90,9 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:          # its own parser: every flag after `bench` belongs to it
-        from bench.serve import main as bench_main
-        bench_main(argv[1:])
+    plugin = plugin_commands().get(argv[0]) if argv else None
+    if plugin is not None:             # its own parser: every flag after its name belongs to it
+        plugin.load()(argv[1:])
         return
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -122,7 +131,7 @@ def _use_demo_assets(args: argparse.Namespace) -> None:
     assets = json.loads(done.stdout.strip().splitlines()[-1])
     args.model = assets["model_dir"]
     args.served_model_name = args.served_model_name or [assets["served_model_name"]]
-    demo_modules = [LoRAModule(name, path) for name, path in assets["adapters"].items()]
+    demo_modules = [LoRAModulePath(name, path) for name, path in assets["adapters"].items()]
     args.lora_modules = demo_modules + (args.lora_modules or [])
 
 

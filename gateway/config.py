@@ -9,7 +9,7 @@ from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig,
 
 
 @dataclass(frozen=True)
-class LoRAModule:
+class LoRAModulePath:
     """One `--lora-modules` entry: an adapter loaded at startup."""
     name: str
     path: str
@@ -17,12 +17,12 @@ class LoRAModule:
     pinned: bool = False        # never evicted from the host cache or its GPU slot
 
 
-def parse_lora_module(text: str) -> LoRAModule:
+def parse_lora_module(text: str) -> LoRAModulePath:
     """`name=path`, or vLLM's JSON form `{"name": .., "path": .., "base_model_name": .., "pinned": ..}`."""
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)
-            return LoRAModule(str(data["name"]), str(data["path"]), data.get("base_model_name"),
+            return LoRAModulePath(str(data["name"]), str(data["path"]), data.get("base_model_name"),
                               bool(data.get("pinned", False)))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise argparse.ArgumentTypeError(
@@ -32,7 +32,7 @@ def parse_lora_module(text: str) -> LoRAModule:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(
             f"Invalid format for --lora-modules: {text}; expected 'name=path' or a JSON object.")
-    return LoRAModule(name, path)
+    return LoRAModulePath(name, path)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class GatewayConfig:
     model: str                                     # model directory (config.json, weights, tokenizer)
     tokenizer: str | None = None                   # tokenizer directory; None: the model directory
     served_model_names: tuple[str, ...] = ()       # empty: the model path is the name
-    lora_modules: tuple[LoRAModule, ...] = ()
+    lora_modules: tuple[LoRAModulePath, ...] = ()
     lora_dirs: tuple[str, ...] = ()                # where runtime loads may read; empty: anywhere
     max_loras: int = LoRAConfig.max_loras
     max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
@@ -100,6 +100,7 @@ class GatewayConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
             device=args.device, dtype=args.dtype, load_format=args.load_format,
-            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=args.seed, host=args.host, port=args.port,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=args.seed,
+            host=args.host, port=args.port,
             api_key=args.api_key, uvicorn_log_level=args.uvicorn_log_level,
         )

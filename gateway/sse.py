@@ -1,4 +1,4 @@
-"""Answering the client: JSON bodies, Server-Sent Events, merged choice streams, disconnects.
+"""Streaming to the client: Server-Sent Events, merged choice streams, disconnects.
 
 A stream is `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`. An error after the stream
 has started is sent as one `data: {"error": {...}}` event before [DONE]. When the client goes away,
@@ -16,7 +16,6 @@ import anyio
 import msgspec
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
-from starlette.responses import Response
 
 from gateway.protocol import APIError
 
@@ -25,10 +24,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 _END = object()
-
-
-def json_response(content: Any, status_code: int = 200) -> Response:
-    return Response(msgspec.json.encode(content), status_code, media_type="application/json")
 
 
 def event(payload: dict[str, Any]) -> bytes:

@@ -12,17 +12,15 @@ import multiprocessing
 import select
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import msgspec
 
 from worker.config import WorkerConfig
+from worker.engine_interface import EngineInterface
 from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, Ready,
                                  RequestOutput, Shutdown, StartupFailed, Stats, ToWorker)
 from worker.ipc.shm_ring import ShmRing, ShmRingHandle
-
-if TYPE_CHECKING:
-    from worker.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class Worker:
             self._outbound.notify()
             self._unnotified = False
 
-    def serve(self, engine: Engine) -> None:
+    def serve(self, engine: EngineInterface) -> None:
         """Run until Shutdown: drain requests, step the engine while it has work, sleep when idle."""
         while True:
             self._inbound.clear_wakeup()
@@ -83,7 +81,7 @@ class Worker:
         self._inbound.close()
         self._outbound.close()
 
-    def _handle(self, engine: Engine, message: ToWorker) -> bool:
+    def _handle(self, engine: EngineInterface, message: ToWorker) -> bool:
         """Apply one gateway message; False on Shutdown."""
         match message:
             case AddRequest():
@@ -98,7 +96,7 @@ class Worker:
                 return False
         return True
 
-    def _add_request(self, engine: Engine, request: AddRequest) -> None:
+    def _add_request(self, engine: EngineInterface, request: AddRequest) -> None:
         try:
             engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.lora_name)
         except Exception as e:
@@ -107,7 +105,7 @@ class Worker:
             self.send(RequestOutput(request.request_id, [], finish_reason="error", error=str(e),
                                     num_prompt_tokens=len(request.prompt_token_ids)))
 
-    def _adapter_command(self, engine: Engine, command: AdapterCommand) -> AdapterCommandResult:
+    def _adapter_command(self, engine: EngineInterface, command: AdapterCommand) -> AdapterCommandResult:
         if command.op not in ("load", "unload", "list"):
             return AdapterCommandResult(command.command_id, ok=False, status_code=400,
                                         message=f"Unknown adapter command {command.op!r}; "
@@ -127,10 +125,9 @@ class Worker:
                                         status_code=getattr(e, "status_code", 400))
         return AdapterCommandResult(command.command_id, ok=True)
 
-    def _send_stats_if_changed(self, engine: Engine) -> None:
-        lora_stats = getattr(engine, "lora_stats", None)    # stand-in engines have no adapter tiers
+    def _send_stats_if_changed(self, engine: EngineInterface) -> None:
         stats = Stats(engine.num_running, engine.num_waiting, list(engine.running_adapter_names()),
-                      list(engine.waiting_adapter_names()), lora_stats() if lora_stats else None)
+                      list(engine.waiting_adapter_names()), engine.lora_stats())
         if stats != self._stats:
             self.send(stats)
             self._stats = stats
@@ -159,7 +156,7 @@ def run_worker(config: WorkerConfig, inbound: ShmRingHandle, outbound: ShmRingHa
 
 def _start_and_serve(worker: Worker, config: WorkerConfig, engine_factory: str) -> None:
     try:
-        engine = load_factory(engine_factory)(config)
+        engine: EngineInterface = load_factory(engine_factory)(config)
     except Exception as e:
         logger.exception("Engine startup failed")
         worker.send(StartupFailed(f"{type(e).__name__}: {e}"))

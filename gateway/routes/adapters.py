@@ -7,19 +7,17 @@ about to happen) is reported on "disk" with what the gateway knows.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.adapters import Adapter
 from gateway.protocol import APIError
-from gateway.sse import json_response
+from gateway.responses import json_response
+from gateway.served_models import Adapter
+from gateway.serving import ServingContext
 from worker.ipc.messages import AdapterState
-
-if TYPE_CHECKING:
-    from gateway.app import ServingContext
 
 
 async def list_adapters(request: Request) -> Response:
@@ -41,8 +39,8 @@ async def _cards(server: ServingContext) -> list[dict[str, Any]]:
     if not result.ok:
         raise APIError(result.message, result.status_code)
     states = {state.name: state for state in result.adapters}
-    return [_card(name, server.models.get(name), states.get(name))
-            for name in dict.fromkeys([*server.models.names(), *states])]
+    return [_card(name, server.served_models.get(name), states.get(name))
+            for name in dict.fromkeys([*server.served_models.names(), *states])]
 
 
 def _card(name: str, adapter: Adapter | None, state: AdapterState | None) -> dict[str, Any]:

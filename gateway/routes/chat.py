@@ -7,26 +7,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError, ChatCompletionRequest, decode_body, resolve_max_tokens
-from gateway.routes.completions import collect_choices, prompt_logprobs_field, usage
-from gateway.sse import cancel_on_disconnect, json_response, merge, sse_response
+from gateway.protocol import ChatCompletionRequest, decode_body, resolve_max_tokens
+from gateway.responses import (collect_choices, json_response, prompt_logprobs_field, raise_if_failed, render_chat,
+                               usage)
+from gateway.serving import ServingContext
+from gateway.sse import cancel_on_disconnect, merge, sse_response
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import TokenLogprob
-
-if TYPE_CHECKING:
-    from gateway.app import ServingContext
 
 
 async def create_chat_completion(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = decode_body(await request.body(), ChatCompletionRequest)
-    lora_name = server.models.resolve(body.model)
+    lora_name = server.served_models.resolve(body.model)
     body.validate_sampling(server.config.max_logprobs, body.num_logprobs)
     prompt_ids = render_chat(server, body.messages, body.add_generation_prompt, body.add_special_tokens,
                              body.chat_template_kwargs)
@@ -42,7 +41,7 @@ async def create_chat_completion(request: Request) -> Response:
         streams.append(server.generate(f"{response_id}-{index}", prompt_ids, params, lora_name, detokenizer))
     deltas = merge(streams)
     header = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
-              "model": body.model or server.models.base_name}
+              "model": body.model or server.served_models.base_name}
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
     if body.stream:
         header["object"] = "chat.completion.chunk"
@@ -53,20 +52,9 @@ async def create_chat_completion(request: Request) -> Response:
     return json_response(_response(server.tokenizer, body, prompt_ids, role, choices, header))
 
 
-def render_chat(server: ServingContext, messages: list, add_generation_prompt: bool, add_special_tokens: bool,
-                template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Prompt token ids of a conversation, through the tokenizer's chat template."""
-    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in messages]
-    text = server.tokenizer.apply_chat_template(conversation, add_generation_prompt, **(template_kwargs or {}))
-    return server.encode_prompt(text, add_special_tokens)
-
-
 def _response(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids: list[int], role: str,
               choices: list[Delta], header: dict[str, Any]) -> dict[str, Any]:
-    failed = next((c for c in choices if c.finish_reason == "error"), None)
-    if failed is not None:
-        raise APIError(failed.error or "The request failed in the worker.", 500)
+    raise_if_failed(*choices)
     out = [{"index": index, "message": {"role": role, "content": choice.text},
             "logprobs": _logprobs(tokenizer, body, choice),
             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
@@ -91,8 +79,7 @@ async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids:
     generated = [0] * body.n
     async for index, delta in deltas:
         generated[index] += len(delta.token_ids)
-        if delta.finish_reason == "error":
-            raise APIError(delta.error or "The request failed in the worker.", 500)
+        raise_if_failed(delta)
         logprobs = _logprobs(tokenizer, body, delta)
         if not (delta.text or (logprobs and logprobs["content"]) or delta.finish_reason or body.return_token_ids):
             continue

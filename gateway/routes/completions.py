@@ -7,19 +7,18 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError, CompletionRequest, decode_body, resolve_max_tokens
-from gateway.sse import cancel_on_disconnect, json_response, merge, sse_response
+from gateway.protocol import CompletionRequest, decode_body, resolve_max_tokens
+from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, usage
+from gateway.serving import ServingContext
+from gateway.sse import cancel_on_disconnect, merge, sse_response
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import SamplingParams, TokenLogprob
-
-if TYPE_CHECKING:
-    from gateway.app import ServingContext
 
 
 @dataclass
@@ -34,10 +33,10 @@ class Job:
 async def create_completion(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = decode_body(await request.body(), CompletionRequest)
-    lora_name = server.models.resolve(body.model)
+    lora_name = server.served_models.resolve(body.model)
     body.validate_sampling(server.config.max_logprobs, body.logprobs)
     jobs = _jobs(server, body)
-    response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.models.base_name
+    response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.served_models.base_name
     deltas = merge([_choice_stream(server, body, job, lora_name, response_id) for job in jobs])
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model}
     if body.stream:
@@ -71,19 +70,9 @@ def _choice_stream(server: ServingContext, body: CompletionRequest, job: Job, lo
     return server.generate(f"{response_id}-{job.index}", job.prompt_ids, job.params, lora_name, detokenizer)
 
 
-async def collect_choices(deltas: AsyncIterator[tuple[int, Delta]], num_choices: int) -> list[Delta]:
-    """Whole choices from their deltas (a non-streamed response)."""
-    choices = [Delta("", []) for _ in range(num_choices)]
-    async for index, delta in deltas:
-        choices[index].extend(delta)
-    return choices
-
-
 def _response(tokenizer: Tokenizer, body: CompletionRequest, jobs: list[Job], choices: list[Delta],
               header: dict[str, Any]) -> dict[str, Any]:
-    failed = next((c for c in choices if c.finish_reason == "error"), None)
-    if failed is not None:
-        raise APIError(failed.error or "The request failed in the worker.", 500)
+    raise_if_failed(*choices)
     out = []
     for job, choice in zip(jobs, choices):
         text, logprobs = choice.text, None
@@ -111,8 +100,7 @@ async def _chunks(tokenizer: Tokenizer, body: CompletionRequest, jobs: list[Job]
         job, first = jobs[index], not started[index]
         started[index] = True
         generated[index] += len(delta.token_ids)
-        if delta.finish_reason == "error":
-            raise APIError(delta.error or "The request failed in the worker.", 500)
+        raise_if_failed(delta)
         text, logprobs = delta.text, None
         if first and body.echo:
             text = job.prompt_text + text
@@ -167,22 +155,6 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], entries: lis
             top.setdefault(name(top_id), max(logprob, -9999.0))
         top_logprobs.append(top)
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
-
-
-def prompt_logprobs_field(tokenizer: Tokenizer, choice: Delta) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's prompt_logprobs: per prompt position {token_id: {logprob, rank, decoded_token}}."""
-    if choice.prompt_logprobs is None:
-        return None
-    return [None if entry is None else {
-        str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.token_text(token_id)}
-        for token_id, logprob, rank in [(entry.token_id, entry.logprob, entry.rank),
-                                        *((t, lp, r) for r, (t, lp) in enumerate(entry.top, start=1))]}
-        for entry in choice.prompt_logprobs]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
 
 
 def _prompt_tokens(body: CompletionRequest, jobs: list[Job]) -> int:

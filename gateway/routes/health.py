@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.sse import json_response
-
-if TYPE_CHECKING:
-    from gateway.app import ServingContext
+from gateway.responses import json_response
+from gateway.serving import ServingContext
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 

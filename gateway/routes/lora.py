@@ -6,16 +6,13 @@ with the status code to return. Success bodies are plain text, as in vLLM.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, decode_body
-
-if TYPE_CHECKING:
-    from gateway.app import ServingContext
+from gateway.serving import ServingContext
 
 INVALID_INPUT = "InvalidUserInput"
 
@@ -26,20 +23,20 @@ async def load_lora_adapter(request: Request) -> Response:
     name, path = body.lora_name, body.lora_path
     if not name or not path:
         raise APIError("Both 'lora_name' and 'lora_path' must be provided.", type=INVALID_INPUT)
-    if name in server.models.served_names:
+    if name in server.served_models.served_names:
         raise APIError(f"The lora adapter name '{name}' is already a served model name.", type=INVALID_INPUT)
     if not _allowed(path, server.config.lora_dirs):
         raise APIError(f"The lora adapter path '{path}' is outside the directories allowed by --lora-dir.",
                        type=INVALID_INPUT, param="lora_path")
-    async with server.models.lock(name):
-        if not body.load_inplace and name in server.models:
+    async with server.served_models.lock(name):
+        if not body.load_inplace and name in server.served_models:
             raise APIError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                            "adapter in place, set 'load_inplace' to True.", type=INVALID_INPUT)
         result = await server.client.adapter_command("load", name, path, load_inplace=body.load_inplace,
                                                      pinned=body.pinned)
         if not result.ok:
             raise APIError(result.message, result.status_code)
-        server.models.add(name, path, pinned=body.pinned)
+        server.served_models.add(name, path, pinned=body.pinned)
     return Response(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -48,13 +45,13 @@ async def unload_lora_adapter(request: Request) -> Response:
     name = decode_body(await request.body(), UnloadLoRAAdapterRequest).lora_name
     if not name:
         raise APIError("'lora_name' needs to be provided to unload a LoRA adapter.", type=INVALID_INPUT)
-    async with server.models.lock(name):
-        if name not in server.models:
+    async with server.served_models.lock(name):
+        if name not in server.served_models:
             raise APIError(f"The lora adapter '{name}' cannot be found.", 404)
         result = await server.client.adapter_command("unload", name)
         if not result.ok:
             raise APIError(result.message, result.status_code)
-        server.models.remove(name)
+        server.served_models.remove(name)
     return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

@@ -1,24 +1,19 @@
 """POST /tokenize and /detokenize, with vLLM's bodies and answers."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.protocol import APIError, DetokenizeRequest, TokenizeRequest, check_token_ids, decode_body
-from gateway.routes.chat import render_chat
-from gateway.sse import json_response
-
-if TYPE_CHECKING:
-    from gateway.app import ServingContext
+from gateway.responses import json_response, render_chat
+from gateway.serving import ServingContext
 
 
 async def tokenize(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = decode_body(await request.body(), TokenizeRequest)
-    server.models.resolve(body.model)
+    server.served_models.resolve(body.model)
     if body.messages is not None:
         add_special = bool(body.add_special_tokens)
         ids = render_chat(server, body.messages, body.add_generation_prompt, add_special, body.chat_template_kwargs)
@@ -35,7 +30,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = decode_body(await request.body(), DetokenizeRequest)
-    server.models.resolve(body.model)
+    server.served_models.resolve(body.model)
     if body.tokens:
         check_token_ids(body.tokens, server.vocab_size)
     return json_response({"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)})

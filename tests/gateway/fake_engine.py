@@ -2,15 +2,19 @@
 
 FakeEngine emits one token per step for every running request: output token i of a request is
 (sum(prompt) + i) % VOCAB_SIZE. It honours max_tokens, max_num_seqs (the rest wait), aborts and
-adapters by name; errors carry a `status_code` like worker.lora.adapter.AdapterError.
+adapters by name; errors carry a `status_code` like worker.lora.adapter.AdapterError. It has no
+adapter tiers: a registered adapter counts as on the GPU, and lora_stats is None.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from worker.config import WorkerConfig
-from worker.ipc.messages import RequestOutput, SamplingParams
+from worker.engine_interface import EngineInterface
+from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 4096
@@ -36,7 +40,7 @@ class FakeRequest:
     num_generated: int = 0
 
 
-class FakeEngine:
+class FakeEngine(EngineInterface):
     max_model_len = MAX_MODEL_LEN
     vocab_size = VOCAB_SIZE
     eos_token_ids = EOS_TOKEN_IDS
@@ -46,16 +50,28 @@ class FakeEngine:
         self._max_running = config.scheduler.max_num_seqs
         self._running: dict[str, FakeRequest] = {}
         self._waiting: dict[str, FakeRequest] = {}
-        self._adapters: dict[str, str] = {}
+        self._adapters: dict[str, AdapterState] = {}
 
     def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
-        if name in self._adapters and not load_inplace:
+        previous = self._adapters.get(name)
+        if previous is not None and not load_inplace:
             raise FakeAdapterError(f"The lora adapter '{name}' has already been loaded.", 400)
-        self._adapters[name] = path
+        version = previous.version + 1 if previous is not None else 1
+        self._adapters[name] = AdapterState(name=name, path=path, version=version, residency="gpu", rank=0,
+                                            target_modules=[], pinned=pinned)
 
     def remove_adapter(self, name: str) -> None:
         if self._adapters.pop(name, None) is None:
             raise FakeAdapterError(f"The lora adapter '{name}' cannot be found.", 404)
+
+    def adapter_states(self) -> list[AdapterState]:
+        running = [r.lora_name for r in self._running.values()]
+        waiting = [r.lora_name for r in self._waiting.values()]
+        return [msgspec.structs.replace(state, num_running=running.count(name), num_waiting=waiting.count(name))
+                for name, state in self._adapters.items()]
+
+    def lora_stats(self) -> LoRAStats | None:
+        return None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora_name: str | None = None) -> None:

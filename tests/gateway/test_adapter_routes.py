@@ -11,7 +11,7 @@ import pytest
 from fake_worker_client import FakeWorkerClient, build_tokenizer
 from gateway.__main__ import build_parser
 from gateway.app import build_app
-from gateway.config import GatewayConfig, LoRAModule
+from gateway.config import GatewayConfig, LoRAModulePath
 from gateway.worker_client import WorkerClient
 from tests.hf_fixtures import ADAPTERS, adapter_dir
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, WorkerConfig
@@ -26,7 +26,8 @@ SQL = AdapterState(name="sql", path="/adapters/sql", version=2, residency="gpu",
 
 
 @asynccontextmanager
-async def serve(lora_dirs=(), modules=(LoRAModule("sql", "/adapters/sql", pinned=True), LoRAModule("poet", "/p"))):
+async def serve(lora_dirs=(),
+                modules=(LoRAModulePath("sql", "/adapters/sql", pinned=True), LoRAModulePath("poet", "/p"))):
     client = FakeWorkerClient(lambda request: TOKENIZER.encode("hello"))
     config = GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), lora_modules=modules, lora_dirs=lora_dirs)
     app = build_app(config, client, TOKENIZER)

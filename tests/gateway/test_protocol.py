@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gateway.__main__ import build_parser
-from gateway.config import GatewayConfig, LoRAModule, parse_lora_module
+from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module
 from gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_token_ids, decode_body,
                               resolve_max_tokens)
 from worker.config import CacheConfig, LoRAConfig, SchedulerConfig
@@ -123,10 +123,10 @@ def test_token_ids_are_checked(ids, message):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("sql=/a/sql", LoRAModule("sql", "/a/sql")),
+    ("sql=/a/sql", LoRAModulePath("sql", "/a/sql")),
     ('{"name": "sql", "path": "/a/sql", "base_model_name": "base", "pinned": true}',
-     LoRAModule("sql", "/a/sql", "base", True)),
-    ('{"name": "sql", "path": "/a/sql"}', LoRAModule("sql", "/a/sql")),
+     LoRAModulePath("sql", "/a/sql", "base", True)),
+    ('{"name": "sql", "path": "/a/sql"}', LoRAModulePath("sql", "/a/sql")),
 ])
 def test_lora_modules_forms(text, expected):
     assert parse_lora_module(text) == expected
@@ -148,7 +148,7 @@ def test_serve_accepts_vllm_flags():
         "--block-size", "32", "--gpu-memory-utilization", "0.8", "--enable-lora", "--no-async-scheduling"])
     config = GatewayConfig.from_args(args)
     assert config == GatewayConfig(
-        model="/m", served_model_names=("a", "b"), lora_modules=(LoRAModule("x", "/x"), LoRAModule("y", "/y")),
+        model="/m", served_model_names=("a", "b"), lora_modules=(LoRAModulePath("x", "/x"), LoRAModulePath("y", "/y")),
         lora_dirs=("/l1", "/l2"), max_loras=8, max_cpu_loras=32, max_lora_rank=64, max_model_len=4096,
         max_num_seqs=128, max_num_batched_tokens=8192, block_size=32, gpu_memory_utilization=0.8, device="cpu",
         dtype="bfloat16", load_format="dummy", enforce_eager=True, async_scheduling=False, seed=3, host="0.0.0.0",
@@ -199,5 +199,5 @@ def test_demo_serves_the_assets_worker_demo_reports(monkeypatch):
     assert commands == [[sys.executable, "-m", "worker.demo", "--cache-dir", "/c"]]
     config = served[0]
     assert (config.model, config.served_names, config.port) == ("/c/model", ("loraplex-demo",), 9001)
-    assert config.lora_modules == (LoRAModule("a", "/c/adapters/a"), LoRAModule("b", "/c/adapters/b"),
-                                   LoRAModule("extra", "/x"))
+    assert config.lora_modules == (LoRAModulePath("a", "/c/adapters/a"), LoRAModulePath("b", "/c/adapters/b"),
+                                   LoRAModulePath("extra", "/x"))

@@ -11,7 +11,7 @@ import pytest
 
 from fake_worker_client import IM_END, FakeWorkerClient, build_tokenizer
 from gateway.app import build_app
-from gateway.config import GatewayConfig, LoRAModule
+from gateway.config import GatewayConfig, LoRAModulePath
 from worker.ipc.messages import AdapterCommandResult, Stats
 
 TOKENIZER = build_tokenizer()
@@ -28,7 +28,7 @@ def answer(request):
 async def serve(script=answer, *, api_key=None, lora_dirs=(), **client_args):
     client = FakeWorkerClient(script, **client_args)
     config = GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), api_key=api_key, lora_dirs=lora_dirs,
-                           lora_modules=(LoRAModule(ADAPTER, ADAPTER_DIR),))
+                           lora_modules=(LoRAModulePath(ADAPTER, ADAPTER_DIR),))
     app = build_app(config, client, TOKENIZER)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

@@ -150,6 +150,14 @@ async def test_adapter_commands_report_engine_results(client):
     assert len({r.command_id for r in (loaded, again, inplace, unloaded, missing, bogus)}) == 6
 
 
+async def test_adapter_list_reports_the_engine_states(client):
+    assert (await client.adapter_command("load", "sql", "/adapters/sql", pinned=True)).ok
+    assert (await client.adapter_command("load", "sql", "/adapters/sql-v2", load_inplace=True)).ok
+    listed = await client.adapter_command("list", "")
+    assert listed.ok
+    assert [(a.name, a.path, a.version, a.pinned) for a in listed.adapters] == [("sql", "/adapters/sql-v2", 2, False)]
+
+
 async def test_stats_name_running_adapters(client):
     assert (await client.adapter_command("load", "sql", "/adapters/sql")).ok
     stream = client.generate(add_request("lora", [3], max_tokens=10**9, lora_name="sql"))

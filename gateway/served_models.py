@@ -2,7 +2,7 @@
 
 A request's `model` is a served base name (no adapter), an adapter name, or `base:adapter`. An
 unknown name that is an adapter directory under a --lora-dir root is registered on first use; the
-worker, which knows the same roots, loads it when the request arrives. The registry also writes
+worker, which knows the same roots, loads it when the request arrives. ServedModels also writes
 vLLM's model cards for /v1/models, with each adapter's lineage (root = its path, parent = its base model).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from worker.config import LoRAConfig
 
 @dataclass(frozen=True)
 class Adapter:
+    """An adapter the gateway serves by name, as the client loaded it."""
     name: str
     path: str
     base_model_name: str                   # one of the served base names
@@ -27,7 +28,9 @@ class Adapter:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-class AdapterRegistry:
+class ServedModels:
+    """The served base names and adapter names, and what a request's `model` resolves to."""
+
     def __init__(self, served_names: tuple[str, ...], model_path: str, lora_dirs: tuple[str, ...] = ()):
         self.served_names = served_names
         self.model_path = model_path
