@@ -10,7 +10,8 @@ are the same steps with async scheduling off (each step's tokens read back befor
 "graphs-inline" runs have the LoRA kernels in line on the compute stream instead of beside the base GEMMs;
 "graphs-cublas" runs send every projection to cuBLAS: batch 1 instead of the small-batch GEMV (kernels/gemv.py),
 batch 32 instead of the skinny kernel (kernels/skinny_gemm.py); "graphs-nopdl" runs launch every kernel only
-once the one before it has ended (WorkerConfig.programmatic_launch off, kernels/pdl.py).
+once the one before it has ended (kernels/pdl.py). Each of the last three is the engine built with one
+KernelConfig choice off (MODE_KERNELS).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.make_adapters import make_adapter
-from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.lora.adapter import module_shapes
@@ -41,6 +42,10 @@ MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
              "graphs-cublas": list(RUNS),        # what the small-batch GEMV and the skinny kernel buy
              "graphs-nopdl": list(RUNS)}         # what programmatic dependent launch buys
+# the engine's kernel choices per mode (the other modes: KernelConfig's defaults)
+MODE_KERNELS = {"graphs-inline": KernelConfig(lora_side_stream=False),
+                "graphs-cublas": KernelConfig(gemv_row_limit=0, skinny_row_limit=0),
+                "graphs-nopdl": KernelConfig(programmatic_launch=False)}
 PROFILED = ["b1_base", "b32_base", "b32_32lora16"]
 
 
@@ -61,58 +66,66 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
-                 side_stream: bool = True, small_batch_gemv: bool = True, skinny_gemm: bool = True,
-                 programmatic_launch: bool = True) -> Engine:
+                 kernels: KernelConfig = KernelConfig(), mixed_graph_max_tokens: int = 1024) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
         cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
-        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16, lora_side_stream=side_stream),
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096),
-        device="cuda", enforce_eager=eager, async_scheduling=async_scheduling, small_batch_gemv=small_batch_gemv,
-        skinny_gemm=skinny_gemm, programmatic_launch=programmatic_launch))
+        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096), kernels=kernels,
+        device="cuda", enforce_eager=eager, async_scheduling=async_scheduling,
+        mixed_graph_max_tokens=mixed_graph_max_tokens))
 
 
 def start_requests(engine: Engine, batch: int, adapters: list[str | None], prefix: str,
-                   prompt_len: int = 128) -> None:
-    """Add `batch` requests (adapters cycled) and step until every one is prefilled, then 5 decode steps.
+                   prompt_len: int = 128) -> list[str]:
+    """Add `batch` requests (adapters cycled) and step until every one has its first token (prefilled), then
+    5 decode steps; returns their ids.
 
     No request may finish before the caller is done with it (the caller aborts them): while the last
     adapters load, the first requests admitted keep decoding, and a batch that shrank would be timed (and
     its graph replayed) with fewer rows than `batch`."""
     params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{prefix}{i}", list(range(100, 100 + prompt_len)), params, adapters[i % len(adapters)])
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
-        engine.step()                                  # prefill (and any adapter loads)
+    request_ids = [f"{prefix}{i}" for i in range(batch)]
+    for i, request_id in enumerate(request_ids):
+        engine.add_request(request_id, list(range(100, 100 + prompt_len)), params, adapters[i % len(adapters)])
+    started: set[str] = set()
+    while len(started) < batch:                        # prefill (and any adapter loads)
+        for out in engine.step():
+            if out.finished:
+                raise RuntimeError(f"request {out.request_id} ended while starting: {out.finish_reason} {out.error}")
+            started.add(out.request_id)
     for _ in range(5):
         engine.step()
+    return request_ids
+
+
+def abort_all(engine: Engine, request_ids: list[str]) -> None:
+    for request_id in request_ids:
+        engine.abort_request(request_id)
 
 
 def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> dict:
-    start_requests(engine, batch, adapters, "b")
+    request_ids = start_requests(engine, batch, adapters, "b")
     wall = []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         wall.append(time.perf_counter() - t0)
-    assert len(engine.scheduler.running) == batch, "a request stopped before the timing ended"
+    assert engine.num_running == batch, "a request stopped before the timing ended"
     result = {"batch": batch, "step_ms_median": 1e3 * statistics.median(wall),
               "step_ms_mean": 1e3 * statistics.fmean(wall)}
     if engine.runner.graph_runner is not None:
         result["replay_ms"] = replay_ms(engine, batch, any(adapters))
-    for request_id in list(engine._requests):
-        engine.abort_request(request_id)
+    abort_all(engine, request_ids)
     return result
 
 
 def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
     """GPU time of the decode graph alone (the last step's inputs, replayed), timed with CUDA events:
     the step's wall time minus this is host work and sampling."""
-    runner = engine.runner.graph_runner
     # the last step must have filled every row this graph reads (rows past a smaller batch's bucket are stale)
-    assert len(engine.scheduler.running) == batch, "the last step did not run the whole batch"
-    bucket = next(b for b in runner.buckets if b >= batch)
-    graph, _ = runner.graphs[("decode", bucket, lora)]
+    assert engine.num_running == batch, "the last step did not run the whole batch"
+    graph = engine.runner.graph_runner.decode_graph(batch, lora)
     torch.cuda.synchronize()     # an error of the engine's last (launched, never waited) step surfaces here
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
@@ -127,14 +140,13 @@ def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
 def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps: int = 5) -> dict:
     """Device time per step of each kernel (by name) over `steps` decode steps, largest first."""
     from torch.profiler import ProfilerActivity, profile
-    start_requests(engine, batch, adapters, "p")     # the profile sees decode steps only
+    request_ids = start_requests(engine, batch, adapters, "p")     # the profile sees decode steps only
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    assert len(engine.scheduler.running) == batch, "a request stopped before the profile ended"
-    for request_id in list(engine._requests):
-        engine.abort_request(request_id)
+    assert engine.num_running == batch, "a request stopped before the profile ended"
+    abort_all(engine, request_ids)
     per_kernel: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -204,10 +216,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(32)]
         for mode in args.modes:
-            eager, sync, inline = mode == "eager", mode == "graphs-sync", mode == "graphs-inline"
-            engine = build_engine(args.model, 32, 32, eager, async_scheduling=not sync, side_stream=not inline,
-                                  small_batch_gemv=mode != "graphs-cublas", skinny_gemm=mode != "graphs-cublas",
-                                  programmatic_launch=mode != "graphs-nopdl")
+            engine = build_engine(args.model, 32, 32, eager=mode == "eager", async_scheduling=mode != "graphs-sync",
+                                  kernels=MODE_KERNELS.get(mode, KernelConfig()))
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)

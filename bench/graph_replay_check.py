@@ -27,9 +27,10 @@ import torch
 
 from bench.decode_step import RUNS, build_engine, start_requests, time_decode
 from bench.make_adapters import make_adapter
+from worker.config import KernelConfig
 from worker.models.hf_config import ArchConfig
 
-VARIANTS = {"side-stream": dict(side_stream=True), "in-line": dict(side_stream=False),
+VARIANTS = {"side-stream": {}, "in-line": dict(kernels=KernelConfig(lora_side_stream=False)),
             "sync-scheduling": dict(async_scheduling=False)}
 
 
@@ -85,11 +86,11 @@ def main() -> None:
         torch.cuda.synchronize()
         # the graph replayed below reads rows 0-31 of the input buffers: the last step must have built all 32
         # (a smaller last batch leaves stale rows past its bucket, e.g. block tables of -1 under old lengths)
-        assert len(engine.scheduler.running) == 32, "not all 32 requests are running"
+        assert engine.num_running == 32, "not all 32 requests are running"
         result["steps_ok"] = args.steps
         result["inputs"] = input_report(engine, 32)
         out.write_text(json.dumps(result, indent=1))
-        graph, _ = engine.runner.graph_runner.graphs[("decode", 32, True)]
+        graph = engine.runner.graph_runner.decode_graph(32, lora=True)
         for burst in range(args.replays // args.burst):
             result["replays_started"] = (burst + 1) * args.burst
             out.write_text(json.dumps(result, indent=1))

@@ -4,11 +4,10 @@ Decode steps replay CUDA graphs and cost the host little; so do steps with a pre
 largest mixed-batch graph (`WorkerConfig.mixed_graph_max_tokens`), and larger ones run eagerly, one
 Python-side launch per kernel. This runs `--decoding` requests (each on its own adapter) and, every
 step, adds one new request with a `--prompt-len` prompt (its own adapter too, resident), so every step
-is a mixed prefill + decode step; it reports the steps' wall times from mixed-batch graphs and, side by
-side, eager (the graph runner's token buckets emptied), the functions that took the most host time in
-eager mixed steps (in a second set of such steps: the profiler slows what it watches), the same number
-of decode-only (graph) steps, and eager mixed steps with the LoRA kernels on the side stream as in graphs
-(`InputBuilder.eager_overlap`; eager steps run them in line).
+is a mixed prefill + decode step. It reports the steps' wall times from mixed-batch graphs and the same
+number of decode-only (graph) steps; then, on a second engine built with mixed_graph_max_tokens=0, the same
+mixed steps eagerly and the functions that took the most host time in them (in a second set of such steps:
+the profiler slows what it watches).
 
     python -m bench.host_profile --out host_profile.json
 """
@@ -16,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -28,6 +28,7 @@ import torch
 
 from bench.decode_step import build_engine
 from bench.make_adapters import make_adapter
+from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.models.hf_config import ArchConfig
 
@@ -51,6 +52,22 @@ def top(profile: cProfile.Profile, key: str, n: int) -> list[str]:
     return [line for line in out.getvalue().splitlines() if line.strip()][-n - 1:]
 
 
+def start(engine: Engine, adapters: list[tuple[str, str]], args: argparse.Namespace) -> list[str]:
+    """Register the adapters ((name, path) each), start `--decoding` requests, one per adapter, and warm up
+    (adapters loaded, kernels compiled) with mixed steps; returns the adapters left for the prompts added
+    each step."""
+    for name, path in adapters:
+        engine.add_adapter(name, path)
+    params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    for i in range(args.decoding):
+        engine.add_request(f"d{i}", list(range(100, 100 + args.prompt_len)), params, adapters[i][0])
+    extra = [name for name, _ in adapters[args.decoding:]]
+    timed_steps(engine, 10, True, args.prompt_len, extra, "warm")
+    for _ in range(5):
+        engine.step()
+    return extra
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench/configs/llama-3.1-8b")
@@ -60,41 +77,34 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     arch = ArchConfig.from_dir(args.model)
-    engine = build_engine(args.model, 32, 16, eager=False)
     results: dict = {"device": torch.cuda.get_device_name(), "config": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
-        names = [f"a{i}" for i in range(args.decoding + 4)]
-        for i, name in enumerate(names):
-            engine.add_adapter(name, str(make_adapter(Path(tmp) / name, arch, 16, seed=i, device="cuda")))
-        params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
-        for i in range(args.decoding):
-            engine.add_request(f"d{i}", list(range(100, 100 + args.prompt_len)), params, names[i])
-        extra = names[args.decoding:]
-        timed_steps(engine, 10, True, args.prompt_len, extra, "warm")        # adapters loaded, kernels compiled
-        for _ in range(5):
-            engine.step()
-        graphs = engine.runner.graph_runner
+        adapters = [(f"a{i}", str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")))
+                    for i in range(args.decoding + 4)]
+        engine = build_engine(args.model, 32, 16, eager=False)
+        extra = start(engine, adapters, args)
         decode = timed_steps(engine, args.steps, False, args.prompt_len, extra, "x")
         mixed_graph = timed_steps(engine, args.steps, True, args.prompt_len, extra, "g")
-        replays = dict(graphs.replays)
-        token_buckets, graphs.token_buckets = graphs.token_buckets, []     # mixed steps eager from here
+        replays = dict(engine.runner.graph_runner.replays)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        engine = build_engine(args.model, 32, 16, eager=False, mixed_graph_max_tokens=0)   # mixed steps eager
+        extra = start(engine, adapters, args)
         mixed = timed_steps(engine, args.steps, True, args.prompt_len, extra, "m")
-        engine.runner.input_builder.eager_overlap = True        # as before: LoRA on the side stream in eager steps
-        mixed_overlap = timed_steps(engine, args.steps, True, args.prompt_len, extra, "o")
-        engine.runner.input_builder.eager_overlap = False
         profile = cProfile.Profile()        # a second set of eager mixed steps: cProfile slows what it watches
         profile.enable()
         timed_steps(engine, args.steps, True, args.prompt_len, extra, "p")
         profile.disable()
-        graphs.token_buckets = token_buckets
         torch.cuda.synchronize()
         results.update(decode_step_ms_median=statistics.median(decode),
                        mixed_graph_step_ms_median=statistics.median(mixed_graph),
                        mixed_step_ms_median=statistics.median(mixed),
                        eager_over_graph=statistics.median(mixed) / statistics.median(mixed_graph),
-                       mixed_graph_step_ms=[round(w, 2) for w in mixed_graph], mixed_step_ms=[round(w, 2) for w in mixed],
-                       mixed_side_stream_step_ms_median=statistics.median(mixed_overlap), graph_replays=replays,
-                       top_tottime=top(profile, "tottime", 40), top_cumulative=top(profile, "cumulative", 60))
+                       mixed_graph_step_ms=[round(w, 2) for w in mixed_graph],
+                       mixed_step_ms=[round(w, 2) for w in mixed],
+                       graph_replays=replays, top_tottime=top(profile, "tottime", 40),
+                       top_cumulative=top(profile, "cumulative", 60))
     text = json.dumps(results, indent=1)
     Path(args.out).write_text(text)
     print(text)

@@ -113,13 +113,14 @@ def step_sweep(batch: int, context: int, dtype: torch.dtype, iters: int) -> dict
     """Decode over LAYERS layers' K/V, one graph of `iters` launches cycling over them, under each split count
     (the kernel's own tiles) and each tile config (its own split count): us per launch and K/V GB/s."""
     layers = [Case(batch, context, 1, dtype) for _ in range(LAYERS)]
-    own_splits = attention._num_kv_splits(batch, NUM_KV_HEADS, 1, torch.device("cuda"))
-    own_tiles = attention._tile_config(1, NUM_HEADS // NUM_KV_HEADS, torch.device("cuda"))
+    own_splits = attention.default_num_kv_splits(batch, NUM_KV_HEADS, 1, torch.device("cuda"))
+    own_tiles = attention.default_config(1, NUM_HEADS // NUM_KV_HEADS, torch.device("cuda"))
 
-    def time_with(splits: int | None) -> float:
+    def time_with(splits: int | None, tiles: tuple[int, int, int, int] | None = None) -> float:
         def call(case: Case) -> None:
             attention.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc,
-                                      case.seq_lens, HEAD_DIM ** -0.5, batch, 1, out=case.out, num_kv_splits=splits)
+                                      case.seq_lens, HEAD_DIM ** -0.5, batch, 1, out=case.out, num_kv_splits=splits,
+                                      config=tiles)
         return graph_time_us([lambda c=c: call(c) for c in layers], iters)
 
     def entry(us: float) -> dict:
@@ -129,14 +130,9 @@ def step_sweep(batch: int, context: int, dtype: torch.dtype, iters: int) -> dict
               "own": entry(time_with(None)), "splits": {}, "tiles": []}
     for splits in STEP_SPLITS:
         result["splits"][splits] = entry(time_with(splits))
-    saved = attention._tile_config
-    try:
-        for tiles in STEP_TILES:
-            attention._tile_config = lambda *_, tiles=tiles: tiles
-            for splits in sorted({1, 2, own_splits}):
-                result["tiles"].append([list(tiles), splits, entry(time_with(splits))])
-    finally:
-        attention._tile_config = saved
+    for tiles in STEP_TILES:
+        for splits in sorted({1, 2, own_splits}):
+            result["tiles"].append([list(tiles), splits, entry(time_with(splits, tiles))])
     best = min(result["tiles"], key=lambda row: row[2]["us"])
     result["best"] = {"tiles": best[0], "splits": best[1], **best[2]}
     logger.info("decode %d x %d: own %s (splits %d), by splits %s, best %s", batch, context, result["own"],

@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the small-batch projection kernel (worker/kernels/gemv.py) against cuBLAS.
 
 At Llama-3.1-8B's projection shapes and 1, 2 and 4 rows of x (the engine uses it
-up to runner.GEMV_MAX_ROWS rows), times F.linear (cuBLAS, as the engine ran
+up to KernelConfig.gemv_row_limit rows), times F.linear (cuBLAS, as the engine ran
 before) and the Triton kernel under its default config and under each candidate config. Each timing is
 one CUDA graph of `--iters` calls that cycle over enough copies of the weight (>= 256 MB in all) that no
 call finds its W in L2, as in a decode step where 16 GB of other weights pass between two uses of one.
@@ -66,13 +66,13 @@ def projection_timer(n: int, k: int, rows: int, iters: int, copy_gbps: float):
 
 def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float) -> dict:
     n, k = SHAPES[name]
-    default = gemv.config(rows, n, k)
+    default = gemv.default_config(rows, n, k)
     with projection_timer(n, k, rows, iters, copy_gbps) as (x, time_of, entry):
         result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": n * k * 2,
                   "cublas": entry(time_of(lambda w: F.linear(x, w))),
                   "default_config": list(default), "default": entry(time_of(lambda w: gemv.gemv(x, w)))}
         if sweep:
-            timings = [(cfg, time_of(lambda w, cfg=cfg: gemv.gemv(x, w, cfg=cfg))) for cfg in candidates(rows)]
+            timings = [(cfg, time_of(lambda w, cfg=cfg: gemv.gemv(x, w, config=cfg))) for cfg in candidates(rows)]
             best_cfg, best_us = min(timings, key=lambda t: t[1])
             result["best_config"], result["best"] = list(best_cfg), entry(best_us)
             result["sweep"] = [[list(cfg), round(us, 2)] for cfg, us in timings]

@@ -11,7 +11,6 @@ bytes are x, the A and B rows of the adapters the batch uses (at their own rank)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -19,7 +18,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
 from worker.kernels.lora_expand import lora_expand
 from worker.kernels.lora_shrink import lora_shrink
 
@@ -112,7 +110,9 @@ def _bytes_moved(case: Case, in_dim: int, out_dim: int, num_slices: int, elem: i
     return (x + a + xa + b + y) * elem
 
 
-def run_case(case: Case, dtype: torch.dtype, iters: int) -> Result:
+def run_case(case: Case, dtype: torch.dtype, iters: int, shrink_config: dict | None = None,
+             expand_config: dict | None = None) -> Result:
+    """Times the case's shrink, expand and both; the configs are passed to the kernels (None: their own)."""
     in_dim, widths = PROJECTIONS[case.projection]
     ns, R, dev = len(widths), case.max_rank, torch.device("cuda")
     offsets = [0]
@@ -134,10 +134,11 @@ def run_case(case: Case, dtype: torch.dtype, iters: int) -> Result:
     max_len = max(case.seg_lens)
 
     def shrink() -> None:
-        lora_shrink(x, a, seg_indptr, weights, ranks, ns, num_segments, max_len, out=xa)
+        lora_shrink(x, a, seg_indptr, weights, ranks, ns, num_segments, max_len, out=xa, config=shrink_config)
 
     def expand() -> None:
-        lora_expand(y, xa, b, seg_indptr, weights, ranks, scalings, offsets, num_segments, max_len)
+        lora_expand(y, xa, b, seg_indptr, weights, ranks, scalings, offsets, num_segments, max_len,
+                    config=expand_config)
 
     def both() -> None:
         shrink()
@@ -156,29 +157,13 @@ SWEEP_SHRINK = [dict(BLOCK_M=1, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=3)
                 for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for w in (4,)]
 
 
-@contextlib.contextmanager
-def kernel_configs(shrink: dict | None, expand: dict | None):
-    """Within the block, lora_shrink / lora_expand launch under these block configs (None: their own)."""
-    saved = shrink_module._config, expand_module._config
-    if shrink is not None:
-        shrink_module._config = lambda *_: dict(shrink)
-    if expand is not None:
-        expand_module._config = lambda *_: dict(expand)
-    try:
-        yield
-    finally:
-        shrink_module._config, expand_module._config = saved
-
-
 def sweep(case: Case, dtype: torch.dtype, iters: int) -> dict:
-    """Time shrink and expand alone under each candidate block config (the kernels' _config replaced)."""
+    """Time shrink and expand alone under each candidate block config."""
     timings: dict[str, list] = {"shrink": [], "expand": []}
     for cfg in SWEEP_SHRINK:
-        with kernel_configs(cfg, None):
-            timings["shrink"].append((cfg, run_case(case, dtype, iters).shrink_us))
+        timings["shrink"].append((cfg, run_case(case, dtype, iters, shrink_config=cfg).shrink_us))
     for cfg in SWEEP_EXPAND:
-        with kernel_configs(None, cfg):
-            timings["expand"].append((cfg, run_case(case, dtype, iters).expand_us))
+        timings["expand"].append((cfg, run_case(case, dtype, iters, expand_config=cfg).expand_us))
     best = {kind: min(rows, key=lambda row: row[1]) for kind, rows in timings.items()}
     logger.info("%s: best shrink %s %.2f us, best expand %s %.2f us", case.name, *best["shrink"], *best["expand"])
     return {"case": case.name, "best": best, "timings": timings}

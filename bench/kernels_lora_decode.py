@@ -2,9 +2,9 @@
 
 At Llama-3.1-8B's LoRA projection shapes (qkv, o, gate_up, down) and `--rows` decode rows, each on its own
 rank-16 adapter (slots of rank 16), times per shape:
-- `gemm`: the base projection alone through layers/linear.project: the GEMV up to runner.GEMV_MAX_ROWS rows,
-  then cuBLAS; with `--skinny` kernels/skinny_gemm.py up to runner.SKINNY_MAX_ROWS, as the engine routes them
-  by default (WorkerConfig.skinny_gemm);
+- `gemm`: the base projection alone through layers/linear.project under KernelConfig's row limits: the GEMV
+  up to gemv_row_limit rows, then cuBLAS; with `--skinny` kernels/skinny_gemm.py up to skinny_row_limit, as
+  the engine routes them by default;
 - `lora`: lora_shrink then lora_expand into y, without the GEMM (the adapter bytes' own bandwidth);
 - `inline`: the GEMM, then the shrink and the expand into y (the eager path);
 - `beside`: the shrink and the expand into a float32 delta on a second, high-priority stream, forked before
@@ -34,10 +34,12 @@ import statistics
 import torch
 
 from bench.kernels_gemv import projection_parser, time_projections
-from bench.kernels_lora import graph_time_us, kernel_configs
-from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module
+from bench.kernels_lora import graph_time_us
+from worker.config import KernelConfig
+from worker.kernels.lora_expand import lora_expand
+from worker.kernels.lora_shrink import lora_shrink
+from worker.layers.kernel_choices import KernelChoices
 from worker.layers.linear import project
-from worker.model_runner.runner import GEMV_MAX_ROWS, SKINNY_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -78,36 +80,39 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float, s
     scalings = torch.full((num_slots, num_slices), 2.0, device=dev)
     seg_indptr = torch.arange(rows + 1, device=dev, dtype=torch.int32)
     side = torch.cuda.Stream(priority=-1)
+    kernels = KernelChoices.resolve(KernelConfig() if skinny else KernelConfig(skinny_row_limit=0), dev)
 
     def gemm(i: int, beside_lora: bool = False) -> torch.Tensor:
-        return project(x, weights[i], None, GEMV_MAX_ROWS, SKINNY_MAX_ROWS if skinny else 0, beside_lora)
+        return project(x, weights[i], None, kernels, beside_lora)
 
-    def lora_inline(i: int, y: torch.Tensor) -> None:
+    def lora_inline(i: int, y: torch.Tensor, shrink: dict | None, expand: dict | None) -> None:
         a, b = pools[i]
-        xa = shrink_module.lora_shrink(x, a, seg_indptr, slots, ranks, num_slices, rows, 1)
-        expand_module.lora_expand(y, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1)
+        xa = lora_shrink(x, a, seg_indptr, slots, ranks, num_slices, rows, 1, config=shrink)
+        lora_expand(y, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1, config=expand)
 
     def join() -> None:
         torch.cuda.current_stream().wait_stream(side)
 
-    def beside(i: int, joined: bool = True) -> None:
+    def beside(i: int, shrink: dict | None, expand: dict | None, joined: bool = True) -> None:
         a, b = pools[i]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            xa = shrink_module.lora_shrink(x, a, seg_indptr, slots, ranks, num_slices, rows, 1)
+            xa = lora_shrink(x, a, seg_indptr, slots, ranks, num_slices, rows, 1, config=shrink)
             delta = torch.empty(rows, n, dtype=torch.float32, device=dev)
-            expand_module.lora_expand(delta, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1,
-                                      accumulate=False)
+            lora_expand(delta, xa, b, seg_indptr, slots, ranks, scalings, offsets, rows, 1, accumulate=False,
+                        config=expand)
         gemm(i, beside_lora=True)               # as layers/linear.py launches it (a GEMV then launches late)
         if joined:
             join()
 
     y_lora = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
-    calls = {"gemm": gemm, "lora": lambda i: lora_inline(i, y_lora), "inline": lambda i: lora_inline(i, gemm(i)),
-             "beside": beside, "unjoined": lambda i: beside(i, joined=False)}
+    calls = {"gemm": lambda i, *_: gemm(i), "lora": lambda i, *cfg: lora_inline(i, y_lora, *cfg),
+             "inline": lambda i, *cfg: lora_inline(i, gemm(i), *cfg), "beside": beside,
+             "unjoined": lambda i, *cfg: beside(i, *cfg, joined=False)}
 
-    def time_of(variant: str) -> float:
-        return graph_time_us([lambda i=i: calls[variant](i) for i in range(copies)], iters,
+    def time_of(variant: str, shrink: dict | None = None, expand: dict | None = None) -> float:
+        """One call of `variant` under the shrink and expand configs (None: the kernels' own)."""
+        return graph_time_us([lambda i=i: calls[variant](i, shrink, expand) for i in range(copies)], iters,
                              finish=join if variant == "unjoined" else None)
 
     def entry(us: float, num_bytes: int) -> dict:
@@ -121,23 +126,16 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float, s
         times: dict[str, list[float]] = {name: [] for name in pairs}
         for _ in range(repeat):
             for pair_name, pair in pairs.items():
-                with kernel_configs(pair["shrink"], pair["expand"]):
-                    times[pair_name].append(time_of("beside"))
+                times[pair_name].append(time_of("beside", pair["shrink"], pair["expand"]))
         result["compare"] = {pair_name: entry(statistics.median(us), w_bytes + a_bytes)
                              for pair_name, us in times.items()}
     for mode in MODES:
         result[mode] = entry(time_of(mode), w_bytes + a_bytes)
         if not sweep or mode not in SWEPT:
             continue
-        expand_times = []
-        for cfg in EXPAND_CANDIDATES:
-            with kernel_configs(None, cfg):
-                expand_times.append((cfg, time_of(mode)))
+        expand_times = [(cfg, time_of(mode, None, cfg)) for cfg in EXPAND_CANDIDATES]
         best_expand = min(expand_times, key=lambda t: t[1])[0]
-        shrink_times = []
-        for cfg in SHRINK_CANDIDATES:
-            with kernel_configs(cfg, best_expand):
-                shrink_times.append((cfg, time_of(mode)))
+        shrink_times = [(cfg, time_of(mode, cfg, best_expand)) for cfg in SHRINK_CANDIDATES]
         best_shrink, best_us = min(shrink_times, key=lambda t: t[1])
         result[f"{mode}_best"] = {**entry(best_us, w_bytes + a_bytes), "shrink": best_shrink, "expand": best_expand}
         result[f"{mode}_sweep"] = {"expand": [[c, round(us, 2)] for c, us in expand_times],

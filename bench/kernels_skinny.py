@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 
+import torch
 import torch.nn.functional as F
 
 from bench.kernels_gemv import PER_STEP, SHAPES, projection_parser, projection_timer, time_projections
@@ -60,19 +61,23 @@ def run_shape(name: str, rows: int, iters: int, sweep: bool, copy_gbps: float, o
     n, k = SHAPES[name]
     default = sg.default_config(rows, n, k)
     with projection_timer(n, k, rows, iters, copy_gbps) as (x, time_of, entry):
+        counters = sg.new_counters(x.device)
+
+        def skinny(w: torch.Tensor, cfg: sg.Config | None = None) -> torch.Tensor:
+            return sg.skinny_gemm(x, w, None, counters, cfg)
+
         result = {"shape": name, "rows": rows, "n": n, "k": k, "weight_bytes": n * k * 2,
                   "default_config": vars(default), "cublas": entry(time_of(lambda w: F.linear(x, w))),
-                  "default": entry(time_of(lambda w: sg.skinny_gemm(x, w)))}
+                  "default": entry(time_of(skinny))}
         if rows <= gemv.MAX_ROWS:
             result["gemv"] = entry(time_of(lambda w: gemv.gemv(x, w)))
         if sweep:
-            timings = [(cfg, time_of(lambda w, cfg=cfg: sg.skinny_gemm(x, w, cfg=cfg)))
-                       for cfg in candidates(n, k, rows)]
+            timings = [(cfg, time_of(lambda w, cfg=cfg: skinny(w, cfg))) for cfg in candidates(n, k, rows)]
             best_cfg, best_us = min(timings, key=lambda t: t[1])
             result["best_config"], result["best"] = vars(best_cfg), entry(best_us)
             result["sweep"] = [[vars(cfg), round(us, 2)] for cfg, us in timings]
         if occupancy:
-            timings = [(per_sm, cfg, time_of(lambda w, cfg=cfg: sg.skinny_gemm(x, w, cfg=cfg)))
+            timings = [(per_sm, cfg, time_of(lambda w, cfg=cfg: skinny(w, cfg)))
                        for per_sm, cfg in occupancy_candidates(n, k, rows)]
             per_sm, best_cfg, best_us = min(timings, key=lambda t: t[2])
             result["occupancy_best_config"] = {**vars(best_cfg), "per_sm": per_sm}

@@ -56,7 +56,8 @@ for stage in $stages; do
                echo "replay-check $variant: rc=$rc" | tee -a "$OUT/replay_check.log"
              done
              (exit $failed) ;;
-    host)    timeout 200 python3 -m bench.host_profile --out "$OUT/host_profile.json" > "$OUT/host_profile.log" 2>&1 ;;
+    host)    # two engines: mixed steps from graphs, then eagerly (mixed_graph_max_tokens=0)
+             timeout 300 python3 -m bench.host_profile --out "$OUT/host_profile.json" > "$OUT/host_profile.log" 2>&1 ;;
     skinny)  # the skinny projection kernel against cuBLAS; SKINNY_ROWS: rows of x (default 32), swept
              timeout 420 python3 -m bench.kernels_skinny --sweep --rows ${SKINNY_ROWS:-32} \
                --out "$OUT/kernels_skinny.json" > "$OUT/skinny.log" 2>&1 ;;

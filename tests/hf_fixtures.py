@@ -11,7 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @dataclass(frozen=True)
-class AdapterSpec:
+class FixtureAdapter:
+    """A PEFT LoRA config the fixtures build an adapter from (random weights, init_lora_weights=False)."""
     name: str
     r: int
     targets: tuple[str, ...]
@@ -22,10 +23,10 @@ class AdapterSpec:
 
 
 ADAPTERS = (
-    AdapterSpec("r4-qv", 4, ("q_proj", "v_proj"), alpha=8),
-    AdapterSpec("r8-all", 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    FixtureAdapter("r4-qv", 4, ("q_proj", "v_proj"), alpha=8),
+    FixtureAdapter("r8-all", 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                 alpha=16, rank_pattern={"down_proj": 4}, alpha_pattern={"o_proj": 32}),
-    AdapterSpec("r16-mlp-rs", 16, ("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), alpha=8,
+    FixtureAdapter("r16-mlp-rs", 16, ("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), alpha=8,
                 use_rslora=True),
 )
 

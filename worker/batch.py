@@ -76,6 +76,24 @@ class LoRABatchInfo:
 
 
 @dataclass
+class LoRAWeights:
+    """One projection's slice of the LoRA slot pool (views owned by lora/gpu_pool.py).
+
+    Slice s of adapter slot w uses rows [s*R, s*R + rank) of a[w] and rows
+    [slice_offsets[s], slice_offsets[s+1]) of b[w]; slots are zero-padded to R = max_lora_rank.
+    """
+    a: "torch.Tensor"           # [num_slots, num_slices * R, in_features]
+    b: "torch.Tensor"           # [num_slots, out_features, R]
+    scalings: "torch.Tensor"    # [num_slots, num_slices] float32
+    slice_offsets: tuple[int, ...]   # [num_slices + 1]; host ints the kernels compile in
+    lora_stream: "torch.cuda.Stream | None" = None   # LoRA work beside the base GEMM runs here
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_offsets) - 1
+
+
+@dataclass
 class ForwardBatch:
     """Tensors the model reads in one step; tokens of all sequences are flattened in batch order."""
     num_tokens: int

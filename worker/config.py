@@ -38,9 +38,6 @@ class LoRAConfig:
     lora_load_workers: int = 2                # threads reading adapters from disk into the host cache
     lora_read_threads: int = 4                # with overlap loading, one adapter's file reads are split
                                               # across this many threads (blocking loads read in the loop)
-    lora_side_stream: bool = True             # CUDA: each LoRA shrink (and in decode steps the expand) runs on
-                                              # a second stream beside its base GEMM (False: in line; kept for
-                                              # side-by-side benchmarks)
 
     def find_adapter_dir(self, name: str) -> str | None:
         """The directory `root/name` holding adapter_config.json under the first root that has one;
@@ -63,18 +60,35 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels the CUDA path routes work to; the CPU path runs the torch references whatever these say.
+    models/registry.build_model resolves it for the device once (layers/kernel_choices.py) and hands the result
+    to the layers it builds. Turning a choice off gives the path it replaced (cuBLAS, plain launches, LoRA in
+    line), which the GPU tests and bench.decode_step compare against."""
+    gemv_row_limit: int = 2           # projections of at most this many rows run kernels/gemv.py (0: none)
+    skinny_row_limit: int = 32        # larger ones up to this many rows kernels/skinny_gemm.py (0: none); cuBLAS
+                                      # above
+    programmatic_launch: bool = True  # Hopper+: each Triton kernel of a step may start while the one before it
+                                      # ends (kernels/pdl.py)
+    lora_side_stream: bool = True     # each LoRA shrink (in decode graphs the expand too) runs on a second stream
+                                      # beside its base GEMM (False: in line)
+
+    def __post_init__(self):
+        if self.gemv_row_limit < 0 or self.skinny_row_limit < 0:
+            raise ValueError(f"gemv_row_limit and skinny_row_limit must be >= 0 (0 turns the kernel off), got "
+                             f"{self.gemv_row_limit} and {self.skinny_row_limit}")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     device: str = "auto"          # auto | cpu | cuda
     enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)
     async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
-    small_batch_gemv: bool = True  # CUDA: projections of <= 2 rows use kernels/gemv.py instead of cuBLAS
-    skinny_gemm: bool = True       # CUDA: projections of 3-32 rows use kernels/skinny_gemm.py instead of cuBLAS
-    programmatic_launch: bool = True  # CUDA (Hopper+): the Triton kernels of a step start while the kernel before
-                                      # them ends (kernels/pdl.py); process-wide
     # CUDA graphs for batches with prefill tokens, up to this many tokens (capped by max_num_batched_tokens);
     # 0: such batches run eagerly (decode batches still replay graphs unless enforce_eager)
     mixed_graph_max_tokens: int = 1024

@@ -108,7 +108,8 @@ as /home/user/data.txt; and code such as print(x + y) or {"key": "value"}.
 
 
 @dataclass(frozen=True)
-class AdapterSpec:
+class DemoAdapter:
+    """One of the demo's PEFT adapters: PEFT writes it with random weights drawn from `seed`."""
     name: str
     rank: int
     targets: tuple[str, ...]
@@ -119,10 +120,10 @@ class AdapterSpec:
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ADAPTERS = (
-    AdapterSpec("demo-r4-attn", 4, ("q_proj", "v_proj"), False, 1),
-    AdapterSpec("demo-r8-all", 8, ATTENTION + MLP, False, 2),
-    AdapterSpec("demo-r16-mlp", 16, MLP, False, 3),
-    AdapterSpec("demo-r8-rslora", 8, ATTENTION, True, 4),
+    DemoAdapter("demo-r4-attn", 4, ("q_proj", "v_proj"), False, 1),
+    DemoAdapter("demo-r8-all", 8, ATTENTION + MLP, False, 2),
+    DemoAdapter("demo-r16-mlp", 16, MLP, False, 3),
+    DemoAdapter("demo-r8-rslora", 8, ATTENTION, True, 4),
 )
 
 
@@ -279,7 +280,7 @@ def _build_model(tokenizer, model_dir: Path):
     return model
 
 
-def _build_adapter(model, spec: AdapterSpec, adapter_dir: Path, final_model_dir: Path) -> None:
+def _build_adapter(model, spec: DemoAdapter, adapter_dir: Path, final_model_dir: Path) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 

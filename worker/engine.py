@@ -1,13 +1,15 @@
 """The offline engine: add requests and adapters, step, get per-request outputs.
 
-    batch = scheduler.schedule(); handle = runner.execute(batch); scheduler.launched(batch)
-    ... the next step's schedule() and execute() ...
-    scheduler.tokens_arrived(batch, handle.result().token_ids)
+One step (async scheduling: the device may still compute the step before):
 
-Adapters live in three tiers: registered on disk (validated, no weights read), packed in the host
-cache (lora/host_cache.py, filled by lora/loader.py's threads), and in a GPU slot (lora/gpu_pool.py,
-filled by one copy on a side stream). The scheduler decides which slot gets which adapter; the engine
-carries the loads out, between `schedule()` and the forward pass, and files them as they finish.
+    batch = scheduler.schedule()           # with the adapter loads it calls for
+    loads.issue(batch.adapter_loads)       # host -> slot copies beside the step in flight
+    handle = runner.execute(batch, prev)   # launched, not waited for
+    scheduler.tokens_arrived(prev_batch, prev.result().token_ids)   # file the previous step's tokens
+
+Adapters live in three tiers: registered on disk (lora/registry.py), packed in the host cache
+(lora/host_cache.py) and in a GPU slot (lora/gpu_pool.py). The scheduler decides which slot gets which
+adapter; lora/loads.py carries the loads out and files them as they finish.
 """
 from __future__ import annotations
 
@@ -22,14 +24,16 @@ from worker.batch import ScheduledBatch
 from worker.config import WorkerConfig
 from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
-from worker.lora.host_cache import HostAdapter, HostCache
-from worker.lora.loader import AdapterLoader, PackedReader
+from worker.lora.host_cache import HostCache
+from worker.lora.loader import AdapterLoader
+from worker.lora.loads import AdapterLoads, FailedLoad
 from worker.lora.prefetcher import Prefetcher
 from worker.lora.registry import AdapterRegistry
+from worker.lora.slot_layout import PackedReader
 from worker.lora.slot_table import SlotTable
 from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.models.hf_config import ArchConfig
-from worker.request import AdapterRef, Request
+from worker.request import Request
 from worker.scheduler.scheduler import Scheduler
 from worker.validation import validate_request
 
@@ -38,7 +42,6 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "half": torch.float16, "float": torch.float32}
 IDLE_LOAD_WAIT_S = 0.05      # with nothing to run, a step waits this long at most for an adapter load
-LOAD_POLL_S = 0.0005
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,21 +75,20 @@ class Engine:
         self.runner = ModelRunner(config, self.arch, self.device, self.dtype, self.max_model_len)
         self.num_kv_blocks = self.runner.num_kv_blocks
         lora = config.lora
-        self.host_cache = HostCache(lora.max_cpu_loras)
+        host_cache = HostCache(lora.max_cpu_loras)
         reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
                               read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1)
-        self.loader = AdapterLoader(reader, self.host_cache, lora.lora_load_workers)
+        loader = AdapterLoader(reader, host_cache, lora.lora_load_workers)
         slots = SlotTable(lora.max_loras, lora.lora_eviction_policy)
-        prefetcher = (Prefetcher(slots, self.host_cache, self.loader, window=max(2 * lora.max_loras, 8),
+        prefetcher = (Prefetcher(slots, host_cache, loader, window=max(2 * lora.max_loras, 8),
                                  max_reads=2 * lora.lora_load_workers)
                       if lora.enable_lora_overlap_loading else None)
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher)
-        self.adapters = AdapterRegistry(lora, self.arch, slots, self.host_cache, self.loader)
-        self._copies_in_flight = 0
+        self.adapters = AdapterRegistry(lora, self.arch, slots, host_cache, loader)
+        self.loads = AdapterLoads(loader, host_cache, self.runner.lora_pool, slots, self.adapters)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
         self._arrivals = itertools.count()
-        self._requests: dict[str, Request] = {}
         logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads", self.arch.architecture,
                     self.device, self.dtype, self.num_kv_blocks,
                     "overlapped" if prefetcher is not None else "blocking")
@@ -112,26 +114,24 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora_name: str | None = None) -> None:
-        if request_id in self._requests:
+        if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         ref = None if lora_name is None else self.adapters.acquire(lora_name)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), ref,
                           tuple(self.eos_token_ids), self.max_model_len)
-        self._requests[request_id] = request
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now, freeing its KV blocks and adapter reference; None if it is unknown."""
-        request = self._requests.get(request_id)
+        request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
-        self.scheduler.abort_request(request_id)
         self._forget(request)
         return RequestOutput(request_id, [], finish_reason="abort", num_prompt_tokens=request.num_prompt_tokens)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return self.scheduler.has_unfinished()
 
     @property
     def num_running(self) -> int:
@@ -159,18 +159,12 @@ class Engine:
         IDLE_LOAD_WAIT_S) instead of returning empty-handed at once."""
         outputs: list[RequestOutput] = []
         deadline = time.monotonic() + IDLE_LOAD_WAIT_S
-        while True:
-            self._collect_loads(outputs)
-            batch = self.scheduler.schedule()
-            self._start_loads(batch, outputs)
-            if not batch.is_empty:
-                break
-            outputs += self._launched(batch)     # every schedule() is followed by launched()
+        while (batch := self._schedule(outputs)).is_empty:
             if self._in_flight is not None:
                 outputs += self._file_tokens()   # nothing can run beside it; its tokens may make room
-            elif not self._await_load(deadline, outputs):
+            elif not self.loads.wait(deadline):
                 return outputs
-        self.runner.wait_for_adapters(batch.lora_slots)
+        self.loads.join(batch.lora_slots)
         prev = None if self._in_flight is None else self._in_flight[1]
         launched = (batch, self.runner.execute(batch, prev))
         outputs += self._launched(batch)
@@ -180,6 +174,16 @@ class Engine:
         if not self.config.async_scheduling:
             outputs += self._file_tokens()
         return outputs
+
+    def _schedule(self, outputs: list[RequestOutput]) -> ScheduledBatch:
+        """File the adapter loads that finished, schedule, and issue the batch's loads. An empty batch is
+        filed as launched at once (every schedule() is followed by launched())."""
+        outputs += self._fail_loads(self.loads.collect())
+        batch = self.scheduler.schedule()
+        outputs += self._fail_loads(self.loads.issue(batch.adapter_loads), batch)
+        if batch.is_empty:
+            outputs += self._launched(batch)
+        return batch
 
     def _launched(self, batch: ScheduledBatch) -> list[RequestOutput]:
         rejected = self.scheduler.launched(batch)
@@ -192,8 +196,9 @@ class Engine:
         (batch, handle), self._in_flight = self._in_flight, None
         result = handle.result()
         for request_id, scored in result.prompt_logprobs.items():
-            if request_id in self._requests:
-                self._requests[request_id].prompt_logprobs += scored
+            request = self.scheduler.get_request(request_id)
+            if request is not None:
+                request.prompt_logprobs += scored
         sampling = [s.request.request_id for s in batch.seqs if s.samples]
         logprobs = dict(zip(sampling, result.logprobs))
         updated = self.scheduler.tokens_arrived(batch, result.token_ids)
@@ -203,72 +208,15 @@ class Engine:
                 self._forget(request)
         return outputs
 
-    def _start_loads(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> None:
-        """Issue the batch's slot loads. Blocking loads read a missing adapter from disk here."""
-        for ref, slot in batch.adapter_loads:
-            entry = self.host_cache.get(ref)
-            if entry is None:
-                try:
-                    entry = self._read_now(ref)
-                except Exception as e:    # a directory that changed since it was registered
-                    outputs += self._fail_adapter(ref, str(e), batch)
-                    continue
-            self.runner.load_adapter(slot, entry.packed, entry.rank, ref)
-            self._copies_in_flight += 1
-
-    def _read_now(self, ref: AdapterRef) -> HostAdapter:
-        cached = self.host_cache.reserve(ref)
-        try:
-            entry, seconds = self.loader.read_now(ref)
-        except Exception:
-            self.host_cache.drop(ref)
-            raise
-        if cached:
-            self.host_cache.fill(ref, entry)
-        self.adapters.loaded(ref, "host", seconds, entry.num_bytes)
-        return entry
-
-    def _collect_loads(self, outputs: list[RequestOutput]) -> bool:
-        """File finished disk reads and slot copies; True if any finished. A failed read ends the
-        adapter's requests with an error."""
-        reads = self.loader.poll()
-        for read in reads:
-            if read.error is not None:
-                outputs += self._fail_adapter(read.ref, read.error)
-            else:
-                self.adapters.loaded(read.ref, "host", read.seconds, read.entry.num_bytes)
-        copies = self.runner.finished_adapter_loads()
-        self._copies_in_flight -= len(copies)
-        for load in copies:
-            if self.scheduler.slots.mark_loaded(load.key):
-                self.adapters.loaded(load.key, "gpu", load.seconds, load.source.numel())
-        return bool(reads or copies)
-
-    def _await_load(self, deadline: float, outputs: list[RequestOutput]) -> bool:
-        """Wait for the next adapter load to finish; False if none is in flight or the deadline passed."""
-        while self.loader.num_in_flight or self._copies_in_flight:
-            if self._collect_loads(outputs):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            if self.loader.num_in_flight:
-                self.loader.wait(LOAD_POLL_S)
-            else:
-                time.sleep(LOAD_POLL_S)
-        return False
-
-    def _fail_adapter(self, ref: AdapterRef, error: str, batch: ScheduledBatch | None = None) -> list[RequestOutput]:
-        """End every unfinished request of `ref` with an error: its weights could not be read."""
-        message = f"Loading LoRA adapter '{ref.name}' failed: {error}"
-        failed = [r for r in self._requests.values() if r.adapter == ref]
-        if batch is not None:
-            batch.seqs = [s for s in batch.seqs if s.request.adapter != ref]
-        for request in failed:
-            self.scheduler.abort_request(request.request_id)
-            self._forget(request)
-        self.scheduler.slots.drop(ref)     # blocking loads gave it a slot it never got weights for
-        return [RequestOutput(r.request_id, [], finish_reason="error", error=message,
-                              num_prompt_tokens=r.num_prompt_tokens) for r in failed]
+    def _fail_loads(self, failed: list[FailedLoad], batch: ScheduledBatch | None = None) -> list[RequestOutput]:
+        """End every unfinished request of each failed adapter with its error, and drop them from `batch`."""
+        outputs = []
+        for load in failed:
+            for request in self.scheduler.fail_adapter(load.ref, batch):
+                self._forget(request)
+                outputs.append(RequestOutput(request.request_id, [], finish_reason="error", error=load.message,
+                                             num_prompt_tokens=request.num_prompt_tokens))
+        return outputs
 
     def _output(self, request: Request, logprobs: dict) -> RequestOutput:
         if request.finish_reason == "error":   # the scheduler found it can never fit in the KV pool
@@ -285,6 +233,6 @@ class Engine:
                              num_prompt_tokens=request.num_prompt_tokens)
 
     def _forget(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        """A finished request gives back its reference on its adapter's version."""
         if request.adapter is not None:
             self.adapters.release(request.adapter)

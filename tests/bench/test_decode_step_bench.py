@@ -1,10 +1,11 @@
 """bench.decode_step's bookkeeping: every ratio compares runs a mode makes, and is given only where both were
-made (the timing itself needs a GPU)."""
+made; its request handling through the engine's public methods, on a CPU engine (the timing itself needs a GPU)."""
 from __future__ import annotations
 
 import pytest
 
 from bench import decode_step
+from worker.config import CacheConfig, KernelConfig, ModelConfig, WorkerConfig
 
 
 def test_every_ratio_names_runs_that_some_mode_makes():
@@ -31,3 +32,22 @@ def test_ratios_are_given_only_where_both_runs_were_made():
     got = decode_step.ratios(runs)
     assert got == pytest.approx({"b1_base_step_over_floor": 1.2, "b1_base_replay_over_floor": 1.1,
                                  "b1_base_nopdl_over_pdl": 1.1})
+
+
+def test_each_kernel_mode_is_a_mode_with_a_choice_off():
+    for mode, kernels in decode_step.MODE_KERNELS.items():
+        assert mode in decode_step.MODE_RUNS and kernels != KernelConfig(), mode
+
+
+def test_time_decode_times_the_whole_batch_and_leaves_no_request(hf_models):
+    """Every request is prefilled before the timed steps, all of them run every timed step, and all are aborted
+    after, so the next run may reuse their ids (a CPU engine: no graph, so no replay time)."""
+    from tests.hf_fixtures import ADAPTERS, adapter_dir
+    from worker.engine import Engine
+    engine = Engine(WorkerConfig(ModelConfig(str(hf_models["llama"])), cache=CacheConfig(block_size=4),
+                                 device="cpu"))
+    engine.add_adapter(ADAPTERS[0].name, str(adapter_dir(hf_models["llama"], ADAPTERS[0].name)))
+    for adapters in ([None], [None, ADAPTERS[0].name]):
+        result = decode_step.time_decode(engine, 3, adapters, steps=2)
+        assert result["batch"] == 3 and result["step_ms_median"] > 0 and "replay_ms" not in result
+        assert not engine.has_unfinished()

@@ -24,7 +24,7 @@ def test_every_candidate_config_is_valid_for_its_rows(rows):
     for cfg in configs[:: max(1, len(configs) // 4)]:
         assert cfg[0] >= rows
         small = (cfg[0], cfg[1], min(cfg[2], 64), cfg[3])    # same BLOCK_M / BLOCK_N, K tile cut to the shape
-        torch.testing.assert_close(gemv.gemv(x, w, cfg=small), reference.linear(x, w), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gemv.gemv(x, w, config=small), reference.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_step_totals_weigh_each_shape_by_its_launches_per_step():

@@ -13,6 +13,15 @@ from bench import kernels_lora_decode as bench  # noqa: E402
 from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_module, reference  # noqa: E402
 
 
+def _reference_delta(x, a, b, meta, scalings, offsets):
+    """float32 xa and delta of the case (reference.py)."""
+    ns = len(offsets) - 1
+    xa = reference.lora_shrink(x, a, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], ns)
+    y = torch.zeros(x.shape[0], offsets[-1], device=x.device)
+    reference.lora_expand(y, xa, b, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], scalings, offsets)
+    return xa, y
+
+
 def _decode_case(device: str, tokens: int = 3, in_dim: int = 48, offsets=(0, 20, 28), rank: int = 4):
     """Decode batch (one token per segment) on distinct slots of rank `rank`, one base-only row."""
     torch.manual_seed(0)
@@ -32,24 +41,19 @@ def test_every_shrink_and_expand_candidate_computes_the_lora_delta():
     x, a, b, meta, scalings, offsets = _decode_case(device)
     dev = {k: torch.tensor(v, dtype=torch.int32, device=device) for k, v in meta.items()}
     ns, tokens = len(offsets) - 1, x.shape[0]
-    want_xa = reference.lora_shrink(x, a, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], ns)
-    want_y = torch.zeros(tokens, offsets[-1], device=device)
-    reference.lora_expand(want_y, want_xa, b, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], scalings,
-                          offsets)
+    want_xa, want_y = _reference_delta(x, a, b, meta, scalings, offsets)
     shrink_kinds = {(c["BLOCK_N"], c["num_warps"]): c for c in bench.SHRINK_CANDIDATES}
     expand_kinds = {c["num_warps"]: c for c in bench.EXPAND_CANDIDATES}
     assert len(shrink_kinds) == 8 and len(expand_kinds) == 2
     for shrink in shrink_kinds.values():
-        with bench.kernel_configs({**shrink, "BLOCK_K": 32}, None):
-            xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], ns,
-                                           tokens, 1)
+        xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], ns, tokens, 1,
+                                       config={**shrink, "BLOCK_K": 32})
         rows = [t for t, w in enumerate(meta["weight_indices"]) if w >= 0]
         torch.testing.assert_close(xa[rows], want_xa[rows], atol=1e-4, rtol=1e-4)
     for expand in expand_kinds.values():
-        with bench.kernel_configs(None, {**expand, "BLOCK_N": 16}):
-            y = torch.full((tokens, offsets[-1]), float("nan"), device=device)
-            expand_module.lora_expand(y, want_xa, b, dev["seg_indptr"], dev["weight_indices"], dev["ranks"],
-                                      scalings, offsets, tokens, 1, accumulate=False)
+        y = torch.full((tokens, offsets[-1]), float("nan"), device=device)
+        expand_module.lora_expand(y, want_xa, b, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], scalings,
+                                  offsets, tokens, 1, accumulate=False, config={**expand, "BLOCK_N": 16})
         torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
 
 
@@ -61,15 +65,29 @@ def test_candidates_are_distinct_and_keep_the_register_tile_bounded():
     assert all(c["BLOCK_M"] == 1 for c in bench.SHRINK_CANDIDATES + bench.EXPAND_CANDIDATES)   # decode rows
 
 
-def test_kernel_configs_restores_the_kernels_own_choice():
-    own_shrink, own_expand = shrink_module._config(1, 4096), expand_module._config(1, 16)
-    with bench.kernel_configs(bench.SHRINK_CANDIDATES[0], bench.EXPAND_CANDIDATES[0]):
-        assert shrink_module._config(1, 4096) == bench.SHRINK_CANDIDATES[0]
-        assert expand_module._config(1, 16) == bench.EXPAND_CANDIDATES[0]
-    with pytest.raises(RuntimeError), bench.kernel_configs(None, bench.EXPAND_CANDIDATES[1]):
-        assert shrink_module._config(1, 4096) == own_shrink
-        raise RuntimeError
-    assert shrink_module._config(1, 4096) == own_shrink and expand_module._config(1, 16) == own_expand
+def test_passing_the_kernels_own_config_changes_nothing():
+    """A config passed in replaces the kernel's own choice for that call only: passing default_config()'s
+    gives the same bits as passing none, both the reference's delta, and the next call without one is as
+    before."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, a, b, meta, scalings, offsets = _decode_case(device)
+    dev = {k: torch.tensor(v, dtype=torch.int32, device=device) for k, v in meta.items()}
+    ns, tokens, rank = len(offsets) - 1, x.shape[0], a.shape[1] // (len(offsets) - 1)
+    want_xa, want_y = _reference_delta(x, a, b, meta, scalings, offsets)
+    results = []
+    for shrink, expand in [(None, None), (shrink_module.default_config(1, x.shape[1]),
+                                          expand_module.default_config(1, rank)), (None, None)]:
+        xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], ns, tokens, 1,
+                                       config=shrink)
+        y = torch.zeros(tokens, offsets[-1], device=device)
+        expand_module.lora_expand(y, xa, b, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], scalings,
+                                  offsets, tokens, 1, config=expand)
+        results.append((xa, y))
+    rows = [t for t, w in enumerate(meta["weight_indices"]) if w >= 0]
+    for xa, y in results:
+        assert torch.equal(xa, results[0][0]) and torch.equal(y, results[0][1])
+        torch.testing.assert_close(xa[rows], want_xa[rows], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
 
 
 def test_lora_bytes_count_each_rows_a_and_b_rows_at_its_rank():
@@ -100,11 +118,11 @@ def test_step_totals_weigh_each_shape_by_the_layers_and_give_the_adapters_margin
 
 def test_the_checked_in_pairs_are_configs_the_kernels_take():
     """bench/configs/lora_decode_pairs.json (the --compare file of BENCHMARKS' run) names shrink and expand
-    configs with exactly the keys the kernels' own _config returns."""
+    configs with exactly the keys the kernels' own default_config returns."""
     import json
     from pathlib import Path
     pairs = json.loads((Path(bench.__file__).parent / "configs" / "lora_decode_pairs.json").read_text())
     assert len(pairs) >= 2
     for pair in pairs.values():
-        assert pair["shrink"] is None or pair["shrink"].keys() == shrink_module._config(1, 4096).keys()
-        assert pair["expand"] is None or pair["expand"].keys() == expand_module._config(1, 16).keys()
+        assert pair["shrink"] is None or pair["shrink"].keys() == shrink_module.default_config(1, 4096).keys()
+        assert pair["expand"] is None or pair["expand"].keys() == expand_module.default_config(1, 16).keys()

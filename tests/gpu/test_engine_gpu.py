@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.hf_fixtures import ADAPTERS, adapter_dir
-from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 
@@ -26,9 +26,8 @@ def prompts() -> list[list[int]]:
     return [torch.randint(2, 320, (n,), generator=gen).tolist() for n, _ in ROWS]
 
 
-def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, side_stream: bool = True,
-                skinny_gemm: bool = True, overlap_loading: bool = False, programmatic_launch: bool = True,
-                **sched) -> Engine:
+def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True,
+                kernels: KernelConfig = KernelConfig(), overlap_loading: bool = False, **sched) -> Engine:
     """The tests' engine. Adapters load in the step that admits them (overlap_loading=False), so two engines
     given the same requests run the same batches: with overlap loading, the step a request joins depends on
     when its adapter's load ends, and a row's projections run different kernels at different batch sizes
@@ -37,11 +36,9 @@ def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True, s
     logit row differed). Overlap loading itself is tested in test_lora_loading_gpu.py."""
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
-        lora=LoRAConfig(max_loras=4, max_lora_rank=16, lora_side_stream=side_stream,
-                        enable_lora_overlap_loading=overlap_loading),
-        scheduler=SchedulerConfig(max_num_seqs=16, **sched),
-        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling, skinny_gemm=skinny_gemm,
-        programmatic_launch=programmatic_launch))
+        lora=LoRAConfig(max_loras=4, max_lora_rank=16, enable_lora_overlap_loading=overlap_loading),
+        scheduler=SchedulerConfig(max_num_seqs=16, **sched), kernels=kernels,
+        device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
     return engine
@@ -143,18 +140,15 @@ def test_async_and_sync_scheduling_give_identical_tokens(hf_models, enforce_eage
     assert overlapped == sync
 
 
-@pytest.mark.parametrize("skinny_gemm", [False, True], ids=["cublas", "skinny-gemm"])
-@pytest.mark.parametrize("eager_overlap", [False, True], ids=["graphs", "graphs-and-eager"])
-def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_models, eager_overlap, skinny_gemm):
+@pytest.mark.parametrize("skinny_row_limit", [0, KernelConfig().skinny_row_limit], ids=["cublas", "skinny-gemm"])
+def test_lora_shrink_on_the_side_stream_gives_the_same_logits_as_in_line(hf_models, skinny_row_limit):
     """The shrink overlapping the base GEMM on a second stream computes exactly what it does in line: the
     same kernels on the same inputs, so every logit is bitwise equal (a missing fork or join would race).
-    The side stream serves CUDA-graph steps; eager_overlap puts the prefill steps there too. Both engines
-    run the same batches (make_engine), checked first."""
+    The side stream serves CUDA-graph steps. Both engines run the same batches (make_engine), checked first."""
     in_line_steps, side_steps = [], []
-    in_line_tokens, in_line = run(make_engine(hf_models["llama"], False, side_stream=False, skinny_gemm=skinny_gemm),
-                                  capture_logits=True, steps=in_line_steps)
-    engine = make_engine(hf_models["llama"], False, side_stream=True, skinny_gemm=skinny_gemm)
-    engine.runner.input_builder.eager_overlap = eager_overlap
+    in_line_tokens, in_line = run(make_engine(hf_models["llama"], False, kernels=KernelConfig(
+        skinny_row_limit=skinny_row_limit, lora_side_stream=False)), capture_logits=True, steps=in_line_steps)
+    engine = make_engine(hf_models["llama"], False, kernels=KernelConfig(skinny_row_limit=skinny_row_limit))
     side_tokens, side = run(engine, capture_logits=True, steps=side_steps)
     assert side_steps == in_line_steps
     assert side_tokens == in_line_tokens
@@ -169,20 +163,39 @@ def test_programmatic_launch_changes_no_logit(hf_models, enforce_eager, num_rows
     output: every logit is bitwise what the engine computes with each kernel launched after the last ended.
     Both engines run the same batches (make_engine). At 2 rows the projections are GEMVs beside the LoRA
     kernels: launched late, letting the next kernel launch early."""
-    from worker.kernels import pdl
-    try:
-        steps_on, steps_off = [], []
-        tokens_on, on = run(make_engine(hf_models["llama"], enforce_eager, programmatic_launch=True),
-                            ROWS[:num_rows], capture_logits=True, steps=steps_on)
-        assert pdl.ENABLED and pdl.active(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (9, 0))
-        tokens_off, off = run(make_engine(hf_models["llama"], enforce_eager, programmatic_launch=False),
-                              ROWS[:num_rows], capture_logits=True, steps=steps_off)
-        assert not pdl.active(torch.device("cuda"))
-    finally:
-        pdl.set_enabled(True)
+    steps_on, steps_off = [], []
+    engine_on = make_engine(hf_models["llama"], enforce_eager, kernels=KernelConfig(programmatic_launch=True))
+    tokens_on, on = run(engine_on, ROWS[:num_rows], capture_logits=True, steps=steps_on)
+    engine_off = make_engine(hf_models["llama"], enforce_eager, kernels=KernelConfig(programmatic_launch=False))
+    tokens_off, off = run(engine_off, ROWS[:num_rows], capture_logits=True, steps=steps_off)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert engine_on.runner.model.lm_head.kernels.programmatic_launch == hopper
+    assert not engine_off.runner.model.lm_head.kernels.programmatic_launch
     assert steps_on == steps_off and tokens_on == tokens_off
     for request_id, rows in off.items():
         assert all(torch.equal(a, b) for a, b in zip(on[request_id], rows, strict=True)), request_id
+
+
+def test_every_layer_holds_the_kernel_choices_resolved_for_the_gpu(hf_models):
+    """build_model hands one KernelChoices to every layer that launches a kernel: the configured row limits, PDL
+    where the device has it, and the skinny GEMM's counters, zeros on the device; limits the kernels cannot take
+    are refused."""
+    from worker.layers.kernel_choices import KernelChoices
+    from worker.models.registry import build_model
+    device = torch.device("cuda")
+    model = build_model(hf_models["llama"], torch.bfloat16, device, "auto", 64,
+                        KernelConfig(gemv_row_limit=1, skinny_row_limit=16))
+    holders = [m for m in model.modules() if hasattr(m, "kernels")]
+    assert {type(m).__name__ for m in holders} == {"Linear", "LMHead", "RMSNorm", "Attention", "LlamaMLP"}
+    choices = holders[0].kernels
+    assert all(m.kernels is choices for m in holders)
+    assert (choices.gemv_row_limit, choices.skinny_row_limit) == (1, 16)
+    assert choices.programmatic_launch == (torch.cuda.get_device_capability() >= (9, 0))
+    assert choices.skinny_counters.is_cuda and not choices.skinny_counters.any()
+    assert KernelChoices.resolve(KernelConfig(programmatic_launch=False), device).programmatic_launch is False
+    assert KernelChoices.resolve(KernelConfig(skinny_row_limit=0), device).skinny_counters is None
+    with pytest.raises(ValueError, match="gemv_row_limit=8"):
+        KernelChoices.resolve(KernelConfig(gemv_row_limit=8), device)
 
 
 def test_adapter_mix_changes_between_replays_without_recapture(hf_models):

@@ -88,6 +88,15 @@ def test_decode_kv_splits_match_reference(dtype, num_kv_splits):
     assert_close(batch.run(num_kv_splits=num_kv_splits), batch.expected(), dtype)
 
 
+@pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 32, 4, 2), (64, 16, 8, 1)], ids=str)
+@pytest.mark.parametrize("group", [2, 4])
+def test_any_tile_config_gives_the_reference_result(group, config):
+    """A config passed in (what the attention bench sweeps) only changes how queries and keys are tiled."""
+    batch = PagedBatch(MIXED + [(6, 40)], num_heads=2 * group, num_kv_heads=2, head_dim=64, block_size=8,
+                       dtype=torch.float32)
+    assert_close(batch.run(config=config), batch.expected(), torch.float32)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_long_extends_span_several_query_and_key_tiles(group):
     # prefixes 6 and 14 put query tiles' first rows just before key-tile edges, where the causal mask starts

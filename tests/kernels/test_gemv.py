@@ -40,7 +40,7 @@ def test_gemv_any_config_gives_the_same_result(cfg):
     """Configs only change the summation order: every one agrees with the reference (odd N and K tails)."""
     rows = min(cfg[0], 2)
     x, w, b = rand(rows, 150, dtype=torch.float32), rand(41, 150, dtype=torch.float32, seed=1), None
-    torch.testing.assert_close(gemv.gemv(x, w, b, cfg), reference.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gemv.gemv(x, w, b, config=cfg), reference.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
 def test_gemv_row_strided_input_and_empty_batch():

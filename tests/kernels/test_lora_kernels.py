@@ -273,6 +273,37 @@ def test_shrink_then_expand_match_reference_module(dtype, scenario):
     torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol * magnitude)
 
 
+# launch configs as the kernels' default_config() gives them: a GEMV (one row) and tensor-core tiles
+CONFIGS = [(dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, num_warps=4, num_stages=1),
+            dict(BLOCK_M=1, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=4, num_stages=1)),
+           (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, BLOCK_R_HIGH=32, num_warps=4, num_stages=2)),
+           (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
+            dict(BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=64, num_warps=8, num_stages=2))]
+
+
+@pytest.mark.parametrize("configs", CONFIGS, ids=["gemv", "tiles-16", "tiles-32"])
+@pytest.mark.parametrize("scenario", ["decode-zipf-R128", "prefill-zipf-ranks4+16"])
+def test_any_launch_config_gives_the_reference_result(scenario, configs):
+    """A config passed in (what the LoRA benches sweep) changes only how rows, ranks and K are tiled."""
+    gen = torch.Generator().manual_seed(5)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    widths = SLICE_WIDTHS["qkv"]
+    ns, R, offsets = len(widths), batch.max_rank, _offsets(widths)
+    x = _randn(batch.num_tokens, IN_DIM, gen=gen)
+    a = _randn(NUM_SLOTS, ns * R, IN_DIM, gen=gen, scale=IN_DIM ** -0.5)
+    y0, _, b, scalings = _expand_inputs(batch, widths, gen)
+    y = y0.clone()
+    meta = batch.device_metadata()
+
+    xa = lora_shrink(x, a, *meta, ns, batch.num_segments, batch.max_seg_len, config=configs[0])
+    lora_expand(y, xa, b, *meta, scalings, offsets, batch.num_segments, batch.max_seg_len, config=configs[1])
+
+    expected_xa = _per_token_xa(x, a, batch, ns)
+    _assert_close(xa, expected_xa, torch.float32)
+    _assert_close(y, _per_token_y(y0, expected_xa, b, scalings, batch, offsets), torch.float32)
+
+
 QKV_8B, GATE_UP_8B, DOWN_8B = (4096, 1024, 1024), (14336, 14336), (4096,)
 RANKS_8_TO_128 = (8, 16, 32, 64, 128)
 # name: (in_dim, slice widths, scenario); R = 128, slot ranks cycle over 8..128

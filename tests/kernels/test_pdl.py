@@ -13,25 +13,24 @@ if not torch.cuda.is_available():
 from worker.kernels import pdl  # noqa: E402
 
 
-@pytest.fixture
-def restore_enabled():
-    yield
-    pdl.set_enabled(True)
-
-
 @pytest.mark.parametrize("enabled", [True, False])
-def test_cpu_tensors_never_launch_with_pdl(restore_enabled, enabled):
-    pdl.set_enabled(enabled)
-    assert not pdl.active(torch.device("cpu"))
-    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+def test_cpu_tensors_never_launch_with_pdl(enabled):
+    assert not pdl.active(torch.device("cpu"), enabled)
+    assert pdl.launch_options(torch.device("cpu"), enabled) == {"PDL": False}
 
 
 @pytest.mark.parametrize("capability_ok", [True, False], ids=["hopper", "older"])
 @pytest.mark.parametrize("enabled", [True, False])
-def test_cuda_launches_with_pdl_when_enabled_on_hopper_or_later(restore_enabled, monkeypatch, enabled, capability_ok):
+def test_cuda_launches_with_pdl_when_enabled_on_hopper_or_later(monkeypatch, enabled, capability_ok):
     monkeypatch.setattr(pdl, "_supported", lambda index: capability_ok)
-    pdl.set_enabled(enabled)
     device = torch.device("cuda", 0)
-    assert pdl.active(device) == (enabled and capability_ok)
+    assert pdl.active(device, enabled) == (enabled and capability_ok)
     want = {"PDL": True, "launch_pdl": True} if enabled and capability_ok else {"PDL": False}
-    assert pdl.launch_options(device) == want
+    assert pdl.launch_options(device, enabled) == want
+
+
+def test_kernels_launch_with_pdl_unless_told_not_to(monkeypatch):
+    """The wrappers' default is the engine's usual choice (on where the device has it)."""
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    assert pdl.active(torch.device("cuda", 0))
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}

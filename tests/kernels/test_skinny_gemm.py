@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from worker.kernels import reference, skinny_gemm as sg  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COUNTERS = sg.new_counters(torch.device(DEVICE))     # shared by every launch here, as by a model's layers
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -38,7 +39,8 @@ def test_skinny_gemm_matches_reference(dtype, rows, n, k, bias):
     tile's 16 / 32 / 64 rows, with and without bias."""
     x, w = rand(rows, k, dtype=dtype, seed=0), rand(n, k, dtype=dtype, seed=1)
     b = rand(n, dtype=dtype, seed=2) if bias else None
-    check(sg.skinny_gemm(x, w, b, sg.Config(block_n=32, block_k=32, split_k=2)), reference.linear(x, w, b), dtype)
+    check(sg.skinny_gemm(x, w, b, COUNTERS, sg.Config(block_n=32, block_k=32, split_k=2)), reference.linear(x, w, b),
+          dtype)
 
 
 @pytest.mark.parametrize("cfg", [sg.Config(16, 16, 1), sg.Config(32, 64, 1), sg.Config(64, 16, 3),
@@ -46,7 +48,7 @@ def test_skinny_gemm_matches_reference(dtype, rows, n, k, bias):
 def test_any_config_gives_the_same_result(cfg):
     """Tiles and K parts only change the summation order (a K part shorter than a step, parts past K)."""
     x, w, b = rand(6, 112, dtype=torch.float32, seed=3), rand(88, 112, dtype=torch.float32, seed=4), None
-    check(sg.skinny_gemm(x, w, b, cfg), reference.linear(x, w, b), torch.float32)
+    check(sg.skinny_gemm(x, w, b, COUNTERS, cfg), reference.linear(x, w, b), torch.float32)
 
 
 def test_counters_return_to_zero_and_results_repeat():
@@ -54,17 +56,17 @@ def test_counters_return_to_zero_and_results_repeat():
     parts are added in part order, whichever finishes first)."""
     x, w = rand(17, 96, dtype=torch.float32, seed=5), rand(88, 96, dtype=torch.float32, seed=6)
     cfg = sg.Config(16, 16, 3)
-    first = sg.skinny_gemm(x, w, None, cfg)
+    first = sg.skinny_gemm(x, w, None, COUNTERS, cfg)
     for _ in range(2):
-        assert torch.equal(sg.skinny_gemm(x, w, None, cfg), first)
-        assert not sg.sync_buffer(x.device).any()
+        assert torch.equal(sg.skinny_gemm(x, w, None, COUNTERS, cfg), first)
+        assert not COUNTERS.any()
 
 
 def test_row_strided_input_and_empty_batch():
     wide = rand(4, 160, dtype=torch.float32, seed=7)
     x, w = wide[:, 16:96], rand(96, 80, dtype=torch.float32, seed=8)
-    check(sg.skinny_gemm(x, w, None, sg.Config(32, 32, 2)), reference.linear(x, w), torch.float32)
-    assert sg.skinny_gemm(wide[:0, :80], w).shape == (0, 96)
+    check(sg.skinny_gemm(x, w, None, COUNTERS, sg.Config(32, 32, 2)), reference.linear(x, w), torch.float32)
+    assert sg.skinny_gemm(wide[:0, :80], w, None, COUNTERS).shape == (0, 96)
 
 
 def test_default_config_gives_every_sm_work_within_shared_memory():
@@ -89,18 +91,18 @@ def test_llama_shapes_bf16(rows, n, k):
     close to it as cuBLAS's F.linear is."""
     x, w = rand(rows, k, dtype=torch.bfloat16, seed=1), rand(n, k, dtype=torch.bfloat16, seed=2)
     exact = x.float() @ w.float().T
-    ours, cublas = sg.skinny_gemm(x, w), F.linear(x, w)
+    ours, cublas = sg.skinny_gemm(x, w, None, COUNTERS), F.linear(x, w)
     bound = 2 ** -8 * exact.abs() + 1e-5 * exact.abs().amax()
     assert ((ours.float() - exact).abs() <= bound).all()
     assert (ours.float() - exact).abs().mean() <= 1.05 * (cublas.float() - exact).abs().mean() + 1e-6
-    assert not sg.sync_buffer(x.device).any()
+    assert not COUNTERS.any()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="float32 at 64 rows needs a GPU (shared memory per stage)")
 def test_float32_at_64_rows_fits_shared_memory():
     """float32 tiles take twice the bytes: the launch takes fewer pipeline stages rather than failing."""
     x, w = rand(64, 4096, dtype=torch.float32, seed=1), rand(4096, 4096, dtype=torch.float32, seed=2)
-    torch.testing.assert_close(sg.skinny_gemm(x, w), reference.linear(x, w), atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(sg.skinny_gemm(x, w, None, COUNTERS), reference.linear(x, w), atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -110,12 +112,12 @@ def test_replays_from_a_cuda_graph():
     x = rand(32, 4096, dtype=torch.bfloat16, seed=1)
     w = rand(4096, 4096, dtype=torch.bfloat16, seed=2)
     assert sg.default_config(32, 4096, 4096).split_k > 1
-    sg.skinny_gemm(x, w)
+    sg.skinny_gemm(x, w, None, COUNTERS)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = sg.skinny_gemm(x, w)
+        y = sg.skinny_gemm(x, w, None, COUNTERS)
     for i in range(30):
         x.copy_(rand(32, 4096, dtype=torch.bfloat16, seed=10 + i))
         graph.replay()
-        assert torch.equal(y, sg.skinny_gemm(x, w)), f"replay {i}"
-    assert not sg.sync_buffer(x.device).any()
+        assert torch.equal(y, sg.skinny_gemm(x, w, None, COUNTERS)), f"replay {i}"
+    assert not COUNTERS.any()

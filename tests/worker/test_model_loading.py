@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from worker.config import CacheConfig, ModelConfig, WorkerConfig
+from worker.config import CacheConfig, KernelConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.models.hf_config import ArchConfig
@@ -96,6 +96,25 @@ def test_dummy_weights_need_only_config_json(hf_models, tmp_path):
     first = greedy_logits(model, load_format="dummy")
     assert first.isfinite().all() and first.std() > 0
     torch.testing.assert_close(first, greedy_logits(model, load_format="dummy"), rtol=0, atol=0)
+
+
+def test_cpu_layers_hold_the_torch_reference_choices(hf_models):
+    """On the CPU build_model resolves any KernelConfig to every kernel off (the torch references, no Triton):
+    one KernelChoices, held by every layer that launches a kernel on a GPU."""
+    from worker.models.registry import build_model
+    model = build_model(hf_models["llama"], torch.float32, torch.device("cpu"), "auto", 64,
+                        KernelConfig(gemv_row_limit=4, skinny_row_limit=64))
+    holders = [m for m in model.modules() if hasattr(m, "kernels")]
+    assert {type(m).__name__ for m in holders} == {"Linear", "LMHead", "RMSNorm", "Attention", "LlamaMLP"}
+    choices = holders[0].kernels
+    assert all(m.kernels is choices for m in holders)
+    assert (choices.gemv_row_limit, choices.skinny_row_limit, choices.programmatic_launch,
+            choices.skinny_counters) == (0, 0, False, None)
+
+
+def test_kernel_config_refuses_negative_row_limits():
+    with pytest.raises(ValueError, match="must be >= 0"):
+        KernelConfig(gemv_row_limit=-1)
 
 
 def test_unsupported_architecture_is_refused(hf_models, tmp_path):

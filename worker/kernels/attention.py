@@ -66,6 +66,11 @@ def _paged_attention_kernel(
     key positions [s*S, (s+1)*S), S = ceil(L / NUM_SPLITS) rounded up to BLOCK_N, and writes its unnormalised
     accumulator, running max (log2 units) and sum to part_*[i, h, s] for _combine_splits_kernel.
     PDL: kernels/pdl.py.
+
+    One kernel for prefill, extend and decode, so it is long: locating the program's query tile (two ways), the
+    key range it sees, the two key loops (unmasked, then causal) and the two epilogues (normalised output, or a
+    split's partial sums) share the tile's registers, and a Triton helper cannot return that many values
+    without spilling them; the per-key-tile work is split out (_attend_key_tile).
     """
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -180,12 +185,13 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, programmatic_launch: bool = True) -> None:
     """Write the step's K/V into the pool, one launch for both; tokens with slot_mapping < 0 are skipped
     (CUDA-graph padding). Same result as reference.store_kv for non-negative slots.
 
     k, v: [num_tokens, num_kv_heads, head_dim] (heads and dim contiguous); k_cache, v_cache: contiguous
-    [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32/int64
+    [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32/int64.
+    programmatic_launch: kernels/pdl.py, where the device has it.
     """
     row = k.shape[1] * k.shape[2]
     assert k.stride(1) == k.shape[2] and k.stride(2) == 1 and v.stride(1) == v.shape[2] and v.stride(2) == 1
@@ -193,13 +199,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
-                                    ROW=row, ROW_PAD=triton.next_power_of_2(row), **pdl.launch_options(k.device))
+                                    ROW=row, ROW_PAD=triton.next_power_of_2(row),
+                                    **pdl.launch_options(k.device, programmatic_launch))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_seqs: int,
-                    max_query_len: int, out: torch.Tensor | None = None,
-                    num_kv_splits: int | None = None) -> torch.Tensor:
+                    max_query_len: int, out: torch.Tensor | None = None, num_kv_splits: int | None = None,
+                    config: tuple[int, int, int, int] | None = None, programmatic_launch: bool = True) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; semantics of
     reference.paged_attention, with the metadata as device tensors.
 
@@ -209,7 +216,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_splits: key splits per decode sequence (flash-decoding); None picks from the GPU's SM count.
     Only used when max_query_len == 1. num_seqs and max_query_len are host upper bounds (CUDA-graph
     padding): sequences past the real ones have no new tokens, and tokens past the last sequence's are
-    left unwritten in out.
+    left unwritten in out. config: (BLOCK_M, BLOCK_N, num_warps, num_stages), None for default_config();
+    BLOCK_M must hold a token's heads. programmatic_launch: kernels/pdl.py, where the device has it.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -222,20 +230,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_seqs == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    splits = _num_kv_splits(num_seqs, num_kv_heads, max_query_len, q.device) if num_kv_splits is None \
+    splits = default_num_kv_splits(num_seqs, num_kv_heads, max_query_len, q.device) if num_kv_splits is None \
         else num_kv_splits
     assert splits == 1 or max_query_len == 1, "KV splits are for decode batches (max_query_len == 1) only"
     assert splits & (splits - 1) == 0, f"num_kv_splits must be a power of two, got {splits}"
-    block_m, block_n, num_warps, num_stages = _tile_config(max_query_len, group, q.device)
+    block_m, block_n, num_warps, num_stages = config or default_config(max_query_len, group, q.device)
+    assert block_m >= group, f"BLOCK_M {block_m} must hold a token's {group} query heads"
     block_q = block_m // group
     d_pad = triton.next_power_of_2(head_dim)
-    if splits > 1:
-        part_acc = torch.empty(num_seqs, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out
+    part_acc, part_max, part_sum = _split_partials(out, num_seqs, splits, d_pad)
     flat = max_query_len > 1       # prefill / mixed: one program per query tile that exists (kernels/tiles.py)
+    launch = pdl.launch_options(q.device, programmatic_launch)
     if flat:
         grid = (max_tiles(q.shape[0], num_seqs, block_q), num_kv_heads, 1)
     else:
@@ -247,26 +252,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
         FLAT=flat, CHUNK=CHUNK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device))
+        num_warps=num_warps, num_stages=num_stages, **launch)
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, **pdl.launch_options(q.device))
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits, **launch)
     return out
 
 
-def _tile_config(max_query_len: int, group: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows of (token, head) pairs, BLOCK_N keys, num_warps, num_stages); BLOCK_M holds a token."""
+def _split_partials(out: torch.Tensor, num_seqs: int, splits: int, d_pad: int) -> tuple[torch.Tensor, ...]:
+    """(part_acc [num_seqs, num_heads, splits, d_pad], part_max and part_sum [num_seqs, num_heads, splits]), all
+    float32, for key splits; without splits the kernel writes `out` directly and these are placeholders."""
+    if splits == 1:
+        return out, out, out
+    num_heads = out.shape[1]
+    part_acc = torch.empty(num_seqs, num_heads, splits, d_pad, dtype=torch.float32, device=out.device)
+    part_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=out.device)
+    return part_acc, part_max, torch.empty_like(part_max)
+
+
+def default_config(max_query_len: int, group: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows of (token, head) pairs, BLOCK_N keys, num_warps, num_stages); BLOCK_M holds a token.
+    Decode tiles chosen with the kernels_attention bench's --step-sweep (BENCHMARKS.md, Kernels)."""
     if device.type != "cuda":                       # interpreter: small tiles keep numpy work tiny
         return max(16, triton.next_power_of_2(group)), 16, 4, 1
-    if max_query_len * group <= 16:     # decode: 8 warps, 2 stages (bench.kernels_attention --step-sweep, H100)
+    if max_query_len * group <= 16:     # decode
         return max(16, triton.next_power_of_2(group)), 64, 8, 2
     return max(64, triton.next_power_of_2(group)), 64, 4, 3
 
 
-def _num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
-    """Enough key splits that a decode batch gives every SM a program (power of two); measured on H100,
-    larger batches gain nothing from splitting (batch 32 x 8 KV heads is fastest unsplit)."""
+def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
+    """Enough key splits that a decode batch gives every SM a program (power of two); batches that fill the
+    SMs unsplit get none (splitting them was slower: BENCHMARKS.md, Kernels)."""
     if device.type != "cuda" or max_query_len != 1:
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -10,8 +10,8 @@ Each also takes an optional `delta`: a projection's LoRA output still to be adde
 (layers/linear.py). The kernel first forms round(x + delta), exactly what the LoRA expand would have
 written into x, so a deferred delta changes no result; it saves the expand's launch on the critical path.
 
-On Hopper they launch with programmatic dependent launch (kernels/pdl.py): they let the next kernel launch
-when they start and wait for the previous one before their first load.
+On Hopper they launch with programmatic dependent launch (kernels/pdl.py) unless `programmatic_launch` is
+False: they let the next kernel launch when they start and wait for the previous one before their first load.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, delta_ptr, num_heads, strid
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             delta: torch.Tensor | None = None) -> torch.Tensor:
+             delta: torch.Tensor | None = None, programmatic_launch: bool = True) -> torch.Tensor:
     """RMSNorm over the last dim of x ([T, D] or [T, H, D], any row strides); with `residual` ([T, D],
     updated in place to x + residual) the norm is taken of that sum; `delta` ([T, D] float32, 2-D x only)
     is added to x first (module docstring). Returns a new contiguous tensor."""
@@ -74,7 +74,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(num_tokens * num_heads,)](
             x3, res, weight, out, d, num_heads, x3.stride(0), x3.stride(1), res.stride(0), out.stride(0),
             out.stride(1), d.stride(0), dim, eps, HAS_RESIDUAL=residual is not None, HAS_DELTA=delta is not None,
-            BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if dim >= 2048 else 1, **pdl.launch_options(x.device))
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4 if dim >= 2048 else 1,
+            **pdl.launch_options(x.device, programmatic_launch))
     return out.view(x.shape)
 
 
@@ -145,7 +146,7 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    delta: torch.Tensor | None = None) -> None:
+                    delta: torch.Tensor | None = None, programmatic_launch: bool = True) -> None:
     """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
     in one launch: a decode layer's rotary and K/V write cost one kernel instead of two.
 
@@ -166,7 +167,8 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
             q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, d, q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), cos.stride(0), d.stride(0), num_q_heads, num_k_heads, dim // 2,
             HAS_DELTA=delta is not None, BLOCK_HALF=triton.next_power_of_2(dim // 2),
-            BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4, **pdl.launch_options(q.device))
+            BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4,
+            **pdl.launch_options(q.device, programmatic_launch))
 
 
 @triton.jit
@@ -190,7 +192,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, stride_xt, stride_ot, stride
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None, programmatic_launch: bool = True) -> torch.Tensor:
     """x: [T, 2I] (gate | up) -> [T, I]; delta: [T, 2I] float32 (module docstring)."""
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     assert delta is None or (delta.shape == x.shape and delta.dtype == torch.float32 and delta.stride(1) == 1)
@@ -200,5 +202,5 @@ def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Te
         d = delta if delta is not None else x
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             x, out, d, x.stride(0), out.stride(0), d.stride(0), inter, HAS_DELTA=delta is not None, BLOCK=block,
-            num_warps=4, **pdl.launch_options(x.device))
+            num_warps=4, **pdl.launch_options(x.device, programmatic_launch))
     return out

@@ -2,10 +2,10 @@
 
 At decode batch sizes a projection is a matrix-vector product bound by the bytes of W. cuBLAS picks
 split-K tiles for the narrow projections there (o_proj, down_proj), which add a reduce launch each, and
-reads the qkv weight at ~80% of the device's copy bandwidth (H100, Llama-3.1-8B shapes; BENCHMARKS.md).
-This kernel gives each program BLOCK_N whole output rows: it streams those rows of W once, K-contiguous,
-keeps the products in float32 registers and reduces them once at the end, so there is no split-K and no
-second launch. The rows of x (at most MAX_ROWS) are reread from L1/L2 by every program; they are tiny.
+reads some weights well below the device's copy bandwidth (BENCHMARKS.md, Decode step). This kernel gives
+each program BLOCK_N whole output rows: it streams those rows of W once, K-contiguous, keeps the products in
+float32 registers and reduces them once at the end, so there is no split-K and no second launch. The rows of
+x (at most MAX_ROWS) are reread from L1/L2 by every program; they are tiny.
 
 Rounding: one float32 accumulation per output, the bias added in float32, one rounding to x's dtype, as
 cuBLAS's epilogue does; only the summation order differs.
@@ -19,7 +19,7 @@ import triton.language as tl
 from worker.kernels import pdl
 
 MAX_ROWS = 4      # rows of x one launch takes (the float32 products stay in registers); the engine sends it
-                  # at most 2 (model_runner/runner.py): from 4 rows cuBLAS is faster (H100 sweep, BENCHMARKS.md)
+                  # at most KernelConfig.gemv_row_limit (why 2: BENCHMARKS.md, Decode step)
 
 
 @triton.jit
@@ -61,12 +61,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [num_rows, k] and W [n, k].
-
-    From bench/kernels_gemv.py's sweep on an H100 at Llama-3.1-8B shapes (BENCHMARKS.md): 4-16 KB of W
-    per program per loop step; more output rows per program for long K, fewer for small matrices, so
-    every SM gets several programs."""
+def default_config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [num_rows, k] and W [n, k]: 4-16 KB of W per program per
+    loop step; more output rows per program for long K, fewer for small matrices, so every SM gets several
+    programs (chosen with `python -m bench.kernels_gemv --sweep`, BENCHMARKS.md)."""
     block_m = triton.next_power_of_2(num_rows)
     block_k = min(1024 // block_m, triton.next_power_of_2(k))
     if block_m > 1:
@@ -86,23 +84,24 @@ def projection_output(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> t
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         cfg: tuple[int, int, int, int] | None = None, early_launch: bool = True) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None, programmatic_launch: bool = True,
+         early_launch: bool = True) -> torch.Tensor:
     """x: [M, K] (M <= MAX_ROWS, unit stride along K), weight: [N, K] contiguous, bias: [N] or None
-    -> y: [M, N] in x's dtype. `cfg` overrides config() (benchmarks).
+    -> y: [M, N] in x's dtype. `config`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), None for default_config().
+    `programmatic_launch`: kernels/pdl.py, where the device has it.
 
-    early_launch=False: launched only once the previous kernel has ended, even where kernels/pdl.py is
-    active, though it still lets the next kernel launch early. For a GEMV with LoRA kernels on a second stream
-    beside it: its programs fill every SM's warp slots, so launched early they keep those kernels off the SMs
-    until the GEMV ends (measured at batch 1 with one adapter: 7% slower steps); letting the next kernel launch
-    early gained 1.8% there (BENCHMARKS.md)."""
+    early_launch=False: launched only once the previous kernel has ended, even with PDL, though it still lets
+    the next kernel launch early. For a GEMV with LoRA kernels on a second stream beside it: its programs fill
+    every SM's warp slots, so launched early they would keep those kernels off the SMs until the GEMV ends
+    (BENCHMARKS.md, Decode step, session 8)."""
     y, num_rows, n, k = projection_output(x, weight, MAX_ROWS)
     if num_rows == 0:
         return y
-    block_m, block_n, block_k, num_warps = cfg or config(num_rows, n, k)
+    block_m, block_n, block_k, num_warps = config or default_config(num_rows, n, k)
     assert block_m >= num_rows
+    launch = pdl.launch_options(x.device, programmatic_launch)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, num_rows, n, k, x.stride(0), weight.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps,
-        **(pdl.launch_options(x.device) if early_launch else {"PDL": pdl.active(x.device)}))
+        BLOCK_K=block_k, num_warps=num_warps, **(launch if early_launch else {"PDL": launch["PDL"]}))
     return y

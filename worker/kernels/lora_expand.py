@@ -104,14 +104,14 @@ def _lora_expand_kernel(
 
 
 @functools.lru_cache(maxsize=None)     # called per launch; eager steps are bound by host time
-def _config(max_seg_len: int, max_rank: int) -> dict:
-    """Block sizes tuned on H100 at Llama-8B shapes (`python -m bench.kernels_lora [--sweep]`).
+def default_config(max_seg_len: int, max_rank: int) -> dict:
+    """Launch keywords (BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_R_HIGH, num_warps, num_stages), chosen with the
+    kernels_lora bench's sweep (BENCHMARKS.md, Kernels).
 
     Rank steps of 16 for ranks up to 32, wider steps above (fewer dependent loop iterations).
     One token per segment with slots of rank <= 32 (decode): a GEMV per program over a wide column
     tile, no tensor cores, in rank steps of 16 (wider steps spill the [step, columns] product out of
-    registers). Larger slots keep the tensor-core tiles: with ranks 64-128 in use, the GEMV's rank
-    loop measured 2.5x slower than them.
+    registers). Larger slots keep the tensor-core tiles, faster there than the GEMV's rank loop.
     """
     high = min(64, max(16, triton.next_power_of_2(max_rank)))
     if max_seg_len == 1 and max_rank <= 32:
@@ -124,7 +124,7 @@ def _config(max_seg_len: int, max_rank: int) -> dict:
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor,
                 weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
                 slice_offsets: Sequence[int] | torch.Tensor, num_segments: int, max_seg_len: int,
-                accumulate: bool = True) -> None:
+                accumulate: bool = True, config: dict | None = None) -> None:
     """Add every slice's LoRA delta into y in one launch (accumulate=False: write it, zeros on base-only
     rows; module docstring); no host-device sync.
 
@@ -133,6 +133,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
     ranks: [num_slots] int32; scalings: [num_slots, num_slices] float32;
     slice_offsets: [num_slices + 1] host ints (compiled in) or an int32 device tensor (read by the kernel).
     num_segments, max_seg_len: host upper bounds that size the grid, as for lora_shrink.
+    config: launch keywords as default_config() gives them, None for its choice.
     """
     out_dim, max_rank = b.shape[1], b.shape[2]
     if isinstance(slice_offsets, torch.Tensor):
@@ -144,7 +145,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
     assert scalings.shape == (b.shape[0], num_slices) and scalings.stride(1) == 1
     if num_segments == 0 or max_seg_len == 0:
         return
-    cfg = _config(max_seg_len, max_rank)
+    cfg = config or default_config(max_seg_len, max_rank)
     num_n_tiles = triton.cdiv(out_dim, cfg["BLOCK_N"])
     flat = max_seg_len > 1
     if flat:

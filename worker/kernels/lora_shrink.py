@@ -76,8 +76,9 @@ def _lora_shrink_kernel(
 
 
 @functools.lru_cache(maxsize=None)     # called per launch; eager steps are bound by host time
-def _config(max_seg_len: int, in_dim: int) -> dict:
-    """Block sizes tuned on H100 at Llama-8B shapes (`python -m bench.kernels_lora --sweep`).
+def default_config(max_seg_len: int, in_dim: int) -> dict:
+    """Launch keywords (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), chosen with the kernels_lora bench's
+    sweep (BENCHMARKS.md, Kernels).
 
     One token per segment: a GEMV over 2 rank rows per program with long K steps (parallelism comes
     from the rank axis); short segments: skinny tensor-core tiles with long K steps; prefill: 64-token tiles.
@@ -92,7 +93,7 @@ def _config(max_seg_len: int, in_dim: int) -> dict:
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
                 ranks: torch.Tensor, num_slices: int, num_segments: int, max_seg_len: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """xa for all slices of one fused projection in one launch; no host-device sync.
 
     x: [num_tokens, in_dim]; a: [num_slots, num_slices * R, in_dim]; seg_indptr: [>= num_segments + 1] int32;
@@ -100,7 +101,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     num_segments, max_seg_len: host upper bounds that size the grid and pick the tiles (segments past the
     real ones must have empty token ranges; max_seg_len must be >= every segment's length, and 1 only when
     every segment has at most one token).
-    out: optional preallocated [num_tokens, num_slices * R] buffer, returned. -> xa
+    out: optional preallocated [num_tokens, num_slices * R] buffer, returned. config: launch keywords as
+    default_config() gives them, None for its choice. -> xa
     """
     num_tokens, in_dim = x.shape
     max_rank = a.shape[1] // num_slices
@@ -110,7 +112,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     assert xa.shape == (num_tokens, num_slices * max_rank) and xa.stride(1) == 1
     if num_segments == 0 or max_seg_len == 0:
         return xa
-    cfg = _config(max_seg_len, in_dim)
+    cfg = config or default_config(max_seg_len, in_dim)
     num_n_tiles = triton.cdiv(max_rank, cfg["BLOCK_N"])
     flat = max_seg_len > 1
     if flat:

@@ -14,11 +14,11 @@ every program of that one has called `launch_dependents()` (or ended). The kerne
 
 Kernels of other kinds (torch ops, cuBLAS, copies) before or after a PDL kernel keep their full dependency:
 the attribute only lets a kernel overlap the kernel just before it in the same stream, and CUDA-graph capture
-keeps those edges. (Projections asking L2 for the first 2 KB of their weight rows before the wait measured
-slower, 8 KB and more far slower: bench/decode_step.py on an H100, BENCHMARKS.md.)
+keeps those edges. Weight rows are not prefetched into L2 before the wait (slower: BENCHMARKS.md, run AW).
 
-`ENABLED` is process-wide (one engine per worker process; WorkerConfig.programmatic_launch sets it). Under
-the Triton interpreter (CPU) the kernels compile the calls out: `active()` is False there.
+Each kernel wrapper takes `programmatic_launch` (default True; the layers pass KernelConfig's choice) and
+launches with PDL where `active()` says the device has it. Under the Triton interpreter (CPU) the kernels
+compile the calls out: `active()` is False there.
 """
 from __future__ import annotations
 
@@ -28,29 +28,23 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = True
-
-
-def set_enabled(enabled: bool) -> None:
-    global ENABLED
-    ENABLED = enabled
-
 
 @functools.lru_cache(maxsize=None)
 def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def active(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL now (the PDL constexpr they take)."""
-    if not ENABLED or device.type != "cuda":
+def active(device: torch.device, enabled: bool = True) -> bool:
+    """Whether kernels on `device` launch with PDL when `enabled` (the PDL constexpr they take): CUDA devices
+    of compute capability 9.0 (Hopper) and later."""
+    if not enabled or device.type != "cuda":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, enabled: bool = True) -> dict:
     """Extra launch keywords: the PDL constexpr, and the launch attribute when active."""
-    on = active(device)
+    on = active(device, enabled)
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 

@@ -7,15 +7,17 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.kernels import reference
+from worker.layers.kernel_choices import KernelChoices
 from worker.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
+                 kernels: KernelChoices):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
-        self.rotary = rotary
+        self.rotary, self.kernels = rotary, kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch, qkv_delta: torch.Tensor | None = None) -> torch.Tensor:
@@ -23,12 +25,13 @@ class Attention(nn.Module):
         # qkv_delta: the qkv projection's LoRA output still to be added (Linear.forward_deferred; CUDA only)
         k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
         if q.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
-            from worker.kernels import attention as kernels
+            from worker.kernels.attention import paged_attention
             from worker.kernels.fused import rotary_store_kv
+            pdl = self.kernels.programmatic_launch
             rotary_store_kv(batch.positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
-                            batch.slot_mapping, qkv_delta)
-            return kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-                                           batch.seq_lens, self.scale, batch.num_seqs, batch.max_query_len)
+                            batch.slot_mapping, qkv_delta, programmatic_launch=pdl)
+            return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                   self.scale, batch.num_seqs, batch.max_query_len, programmatic_launch=pdl)
         assert qkv_delta is None, "deferred LoRA deltas exist on CUDA only"
         self.rotary(batch.positions, q, k)
         reference.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)

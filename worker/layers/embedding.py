@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.kernel_choices import KernelChoices
 from worker.layers.linear import project
 
 
@@ -18,14 +19,14 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tied_to: Embedding | None):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tied_to: Embedding | None,
+                 kernels: KernelChoices):
         super().__init__()
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
-        self.gemv_max_rows = 0        # set by the GPU runner, as on Linear
-        self.skinny_max_rows = 0
+        self.kernels = kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project(hidden, self.weight, None, self.gemv_max_rows, self.skinny_max_rows)   # [num_rows, vocab]
+        return project(hidden, self.weight, None, self.kernels)   # [num_rows, vocab]

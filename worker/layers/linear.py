@@ -2,32 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.batch import LoRABatchInfo
+from worker.batch import LoRABatchInfo, LoRAWeights
 from worker.kernels import reference
-
-
-@dataclass
-class LoRAWeights:
-    """One projection's slice of the LoRA slot pool (views owned by lora/gpu_pool.py).
-
-    Slice s of adapter slot w uses rows [s*R, s*R + rank) of a[w] and rows
-    [slice_offsets[s], slice_offsets[s+1]) of b[w]; slots are zero-padded to R = max_lora_rank.
-    """
-    a: torch.Tensor            # [num_slots, num_slices * R, in_features]
-    b: torch.Tensor            # [num_slots, out_features, R]
-    scalings: torch.Tensor     # [num_slots, num_slices] float32
-    slice_offsets: tuple[int, ...]   # [num_slices + 1]; host ints the kernels compile in
-    lora_stream: "torch.cuda.Stream | None" = None   # LoRA work beside the base GEMM runs here
-
-    @property
-    def num_slices(self) -> int:
-        return len(self.slice_offsets) - 1
+from worker.layers.kernel_choices import KernelChoices
 
 
 # Most tokens of a decode step whose LoRA delta forward_deferred() hands to the next kernel; larger steps add
@@ -35,27 +17,30 @@ class LoRAWeights:
 MAX_DEFERRED_TOKENS = 256
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv_max_rows: int,
-            skinny_max_rows: int = 0, beside_lora: bool = False) -> torch.Tensor:
-    """x @ weight^T (+ bias): on a GPU, at most `gemv_max_rows` rows go through the small-batch kernel
-    (kernels/gemv.py: no split-K, W read once at full bandwidth), up to `skinny_max_rows` through
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelChoices,
+            beside_lora: bool = False) -> torch.Tensor:
+    """x @ weight^T (+ bias): on a GPU, at most `kernels.gemv_row_limit` rows go through the small-batch kernel
+    (kernels/gemv.py: no split-K, W read once at full bandwidth), up to `kernels.skinny_row_limit` through
     kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS.
     beside_lora: LoRA kernels run on a second stream beside this projection; the GEMV then does not launch
     early (kernels/gemv.py)."""
     rows = x.shape[0]
-    if x.is_cuda and 0 < rows <= max(gemv_max_rows, skinny_max_rows) and x.stride(1) == 1 and weight.is_contiguous():
-        if rows <= gemv_max_rows:
+    gemv_rows, skinny_rows = kernels.gemv_row_limit, kernels.skinny_row_limit
+    if x.is_cuda and 0 < rows <= max(gemv_rows, skinny_rows) and x.stride(1) == 1 and weight.is_contiguous():
+        if rows <= gemv_rows:
             from worker.kernels.gemv import gemv     # Triton; imported here so CPU installs need none
-            return gemv(x, weight, bias, early_launch=not beside_lora)
+            return gemv(x, weight, bias, programmatic_launch=kernels.programmatic_launch,
+                        early_launch=not beside_lora)
         from worker.kernels.skinny_gemm import skinny_gemm
-        return skinny_gemm(x, weight, bias)
+        return skinny_gemm(x, weight, bias, kernels.skinny_counters, programmatic_launch=kernels.programmatic_launch)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
     """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 kernels: KernelChoices):
         super().__init__()
         self.in_features = in_features
         self.output_sizes = list(output_sizes)
@@ -66,8 +51,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
-        self.gemv_max_rows = 0                 # set by the GPU runner: batches this small skip cuBLAS (project())
-        self.skinny_max_rows = 0               # likewise, for kernels/skinny_gemm.py
+        self.kernels = kernels
 
     def load_shard(self, param: str, shard: int | None, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor into the whole parameter (shard None) or into one output slice."""
@@ -81,7 +65,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
         if self.lora is None or lora_info is None or lora_info.max_rank == 0:
-            return project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows)
+            return project(x, self.weight, self.bias, self.kernels)
         if x.is_cuda:
             return self._forward_lora_cuda(x, lora_info, defer=False)[0]
         y = F.linear(x, self.weight, self.bias)
@@ -136,7 +120,7 @@ class Linear(nn.Module):
                 delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
                 lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
                             w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
-        y = project(x, self.weight, self.bias, self.gemv_max_rows, self.skinny_max_rows, beside_lora=side is not None)
+        y = project(x, self.weight, self.bias, self.kernels, beside_lora=side is not None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         if not defer:

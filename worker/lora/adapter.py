@@ -78,7 +78,8 @@ class AdapterSource:
 
 
 @dataclass
-class LoRAModule:
+class ModuleWeights:
+    """One module's LoRA matrices as tensors (tests compare the serving path against them)."""
     a: torch.Tensor     # [rank, in_features]
     b: torch.Tensor     # [out_features, rank]
     scaling: float
@@ -89,12 +90,13 @@ class LoRAModule:
 
 
 @dataclass
-class LoRAAdapter:
+class AdapterWeights:
+    """A whole adapter's matrices as tensors, per (layer, target) module."""
     name: str
     path: str
     rank: int                                      # the largest rank over its modules
     target_modules: tuple[str, ...]
-    modules: dict[tuple[int, str], LoRAModule]     # (layer, target) -> weights
+    modules: dict[tuple[int, str], ModuleWeights]  # (layer, target) -> weights
 
 
 def inspect_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int) -> AdapterSpec:
@@ -122,7 +124,7 @@ def read_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: i
 
 def locate_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int) -> AdapterSource:
     """Check a PEFT directory as read_adapter does and locate each module's weights in its tensor file,
-    reading no weights (gpu_pool.SlotLayout.read_packed reads them straight into place); raises AdapterError."""
+    reading no weights (slot_layout.SlotLayout.read_packed reads them straight into place); raises AdapterError."""
     path = Path(path)
     header, data_start, checked, scalings = _check_directory(name, path, arch, max_lora_rank)
     modules = {}
@@ -149,14 +151,14 @@ def _check_directory(name: str, path: Path, arch: ArchConfig, max_lora_rank: int
     return header, data_start, checked, scalings
 
 
-def load_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int,
-                 dtype: torch.dtype) -> LoRAAdapter:
+def read_adapter_weights(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int,
+                         dtype: torch.dtype) -> AdapterWeights:
     """`read_adapter` with each module's matrices as [rank, in] and [out, rank] tensors."""
     raw = read_adapter(name, path, arch, max_lora_rank, dtype)
-    modules = {key: LoRAModule(m.a.view(dtype).view(m.rank, m.in_features),
-                               m.b.view(dtype).view(m.out_features, m.rank), m.scaling)
+    modules = {key: ModuleWeights(m.a.view(dtype).view(m.rank, m.in_features),
+                                  m.b.view(dtype).view(m.out_features, m.rank), m.scaling)
                for key, m in raw.modules.items()}
-    return LoRAAdapter(name, str(path), raw.spec.rank, raw.spec.target_modules, modules)
+    return AdapterWeights(name, str(path), raw.spec.rank, raw.spec.target_modules, modules)
 
 
 def _spec(name: str, path: Path, header: dict, modules: dict) -> AdapterSpec:

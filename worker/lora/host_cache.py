@@ -10,15 +10,17 @@ import math
 from collections import OrderedDict
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from worker.request import AdapterRef
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class HostAdapter:
-    packed: torch.Tensor     # [slot_bytes] uint8, pinned on CUDA: one GPU slot's bytes (gpu_pool.SlotLayout)
+    packed: torch.Tensor     # [slot_bytes] uint8, pinned on CUDA: one GPU slot's bytes (lora/slot_layout.py)
     rank: int
 
     @property

@@ -1,4 +1,4 @@
-"""The disk tier: reads PEFT directories and packs them into host buffers, on a thread pool.
+"""The disk tier: reads registered adapters into the host cache, on a thread pool.
 
 With overlap loading, reads never run in the step loop: `start` hands one to a worker thread (its host
 cache entry already reserved by the caller) and `poll` files the finished ones into the host cache.
@@ -14,37 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.lora.adapter import AdapterError, AdapterSpec, locate_adapter, read_adapter
-from worker.lora.gpu_pool import SlotLayout
+from worker.lora.adapter import AdapterSpec
 from worker.lora.host_cache import HostAdapter, HostCache
-from worker.models.hf_config import ArchConfig
 from worker.request import AdapterRef
 
 logger = logging.getLogger(__name__)
-
-
-class PackedReader:
-    """spec -> HostAdapter: check the directory again (it may have changed since it was registered) and
-    read it into the GPU slot layout: straight from the file into place when it stores the slots' dtype
-    (SlotLayout.read_packed), else read, converted and packed. With `read_threads` > 1 the file reads
-    of one adapter are split across that many threads of the reader's own pool."""
-
-    def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool, read_threads: int = 1):
-        self.arch, self.layout, self.pin = arch, layout, pin
-        self.read_threads = read_threads
-        self.pool = (concurrent.futures.ThreadPoolExecutor(read_threads, thread_name_prefix="lora-io")
-                     if read_threads > 1 else None)
-
-    def __call__(self, spec: AdapterSpec) -> HostAdapter:
-        source = locate_adapter(spec.name, spec.path, self.arch, self.layout.max_rank)
-        try:
-            packed = self.layout.read_packed(source, self.pin, pool=self.pool, parts=self.read_threads)
-        except OSError as e:
-            raise AdapterError(f"adapter_model.safetensors in {spec.path} is unreadable: {e!r}") from e
-        if packed is None:
-            adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
-            packed = self.layout.pack(adapter, self.pin)
-        return HostAdapter(packed, source.spec.rank)
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker.lora.host_cache import HostCache
-from worker.lora.loader import AdapterLoader
 from worker.lora.slot_table import SlotTable
 from worker.request import AdapterRef, Request
+
+if TYPE_CHECKING:   # the loader reads files on threads; the scheduler's imports stay bookkeeping alone
+    from worker.lora.loader import AdapterLoader
 
 
 @dataclass

@@ -103,6 +103,12 @@ class CUDAGraphRunner:
             return None
         return "mixed", size
 
+    def decode_graph(self, num_seqs: int, lora: bool) -> torch.cuda.CUDAGraph:
+        """The decode graph that runs batches of `num_seqs` sequences, with or without LoRA. A replay reads
+        whatever the latest build left in the input buffers (bench.decode_step times the device work alone)."""
+        bucket = next(b for b in self.buckets if b >= num_seqs)
+        return self.graphs[("decode", bucket, lora)][0]
+
     def run(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [num_sampling_seqs, vocab] of the batch, by replaying the smallest graph that fits; None
         (nothing enqueued) when the batch must run eagerly. `prev_tokens` as for InputBuilder.build."""

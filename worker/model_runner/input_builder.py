@@ -14,10 +14,56 @@ never races the copies of the previous step, which may not have run yet.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from worker.batch import ForwardBatch, LoRABatchInfo, ScheduledBatch
+
+
+@dataclass(slots=True)
+class _HostRows:
+    """One step's inputs as host lists, before they are written into the staging buffers."""
+    ids: list[int] = field(default_factory=list)          # [num_tokens] input ids (0 for pending tokens)
+    pos: list[int] = field(default_factory=list)          # [num_tokens] positions
+    slots: list[int] = field(default_factory=list)        # [num_tokens] KV slots; -1 writes no K/V
+    qsl: list[int] = field(default_factory=lambda: [0])   # [num_seqs + 1] query start offsets
+    lens: list[int] = field(default_factory=list)         # [num_seqs] context lengths after this step
+    prompt_idx: list[int] = field(default_factory=list)   # token rows whose logits score prompt tokens
+    sample_idx: list[int] = field(default_factory=list)   # token rows whose logits are sampled
+    prompt_rows: list[tuple[int, list[int]]] = field(default_factory=list)   # (sequence, prompt positions scored)
+    pending_dst: list[int] = field(default_factory=list)  # token rows of pending tokens
+    pending_src: list[int] = field(default_factory=list)  # their rows in the previous step's sampler output
+
+
+def _pad_decode(rows: _HostRows, num_seqs: int, block_tables: np.ndarray) -> None:
+    """Pad to `num_seqs` sequences of one token each: token 0 at position 0, no K/V written, block 0."""
+    for i in range(len(rows.lens), num_seqs):
+        rows.ids.append(0)
+        rows.pos.append(0)
+        rows.slots.append(-1)
+        rows.qsl.append(rows.qsl[-1] + 1)
+        rows.lens.append(1)
+        block_tables[i, 0] = 0
+        rows.sample_idx.append(rows.qsl[-1] - 1)
+
+
+def _pad_mixed(rows: _HostRows, num_tokens: int, num_seqs: int) -> None:
+    """Pad to a mixed-batch graph's fixed shapes: token rows past the real ones belong to no sequence and no
+    LoRA segment (id 0, position 0, no K/V written), sequences past the real ones have no new tokens and an
+    empty context, and the sampled rows are padded with row 0 to one per sequence. With LoRA segments past
+    the real ones empty (InputBuilder._build_lora) and num_seqs, max_query_len and the LoRA grid bounds the
+    padded counts, the kernels' grids depend on (tokens, seqs) alone (kernels/tiles.py). No prompt logprobs."""
+    assert not rows.prompt_idx, "mixed-batch graphs compute no prompt logprobs"
+    assert rows.qsl[-1] <= num_tokens and len(rows.lens) <= num_seqs
+    pad = num_tokens - len(rows.ids)
+    rows.ids += [0] * pad
+    rows.pos += [0] * pad
+    rows.slots += [-1] * pad
+    rows.qsl += [rows.qsl[-1]] * (num_seqs - len(rows.lens))
+    rows.lens += [0] * (num_seqs - len(rows.lens))
+    rows.sample_idx += [0] * (num_seqs - len(rows.sample_idx))
 
 
 class InputBuilder:
@@ -41,89 +87,83 @@ class InputBuilder:
         self._dev_buf = _byte_buffer(shapes, device, False)
         self.dev = _field_views(self._dev_buf, shapes)
         self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
-        self.eager_overlap = False        # benchmarks: side-stream LoRA in eager steps too (LoRABatchInfo.overlap)
 
     def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None,
               prev_tokens: torch.Tensor | None = None, mixed_pad: tuple[int, int] | None = None) -> ForwardBatch:
         """`pad_to`: a decode batch padded to that many sequences, one LoRA segment per sequence (the
         fixed shapes of a decode CUDA graph). `mixed_pad`: (tokens, seqs), any batch padded to the fixed
-        shapes of a mixed-batch graph (below). `lora`: force LoRA on or off (graph capture); None decides
+        shapes of a mixed-batch graph (_pad_mixed). `lora`: force LoRA on or off (graph capture); None decides
         from the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
-        pending tokens of this batch's requests come from.
-
-        Mixed padding: token rows past the real ones belong to no sequence and no LoRA segment (id 0,
-        position 0, no K/V written), sequences past the real ones have no new tokens and an empty context,
-        LoRA segments past the real ones are empty, and the sampled rows are padded with row 0 to one per
-        sequence; num_seqs, max_query_len and the LoRA grid bounds are the padded counts, so the kernels'
-        grids depend on (tokens, seqs) alone (kernels/tiles.py). No prompt logprobs."""
+        pending tokens of this batch's requests come from."""
         self._current = 1 - self._current
-        h = self._host_np[self._current]      # numpy views: list -> buffer writes without torch.tensor()
-        ids, pos, slots, qsl, lens, prompt_idx, sample_idx, prompt_rows = [], [], [], [0], [], [], [], []
-        pending_dst, pending_src = [], []
-        h["block_tables"].fill(-1)
-        for i, seq in enumerate(batch.seqs):
-            end = seq.start + seq.num_new_tokens
-            ids += seq.token_ids
-            if len(ids) < qsl[-1] + seq.num_new_tokens:    # the last one is pending
-                pending_dst.append(len(ids))
-                pending_src.append(seq.request.pending_row)
-                ids.append(0)
-            pos += range(seq.start, end)
-            blocks = seq.request.block_ids
-            slots += [blocks[p // self.block_size] * self.block_size + p % self.block_size
-                      for p in range(seq.start, end)]
-            qsl.append(qsl[-1] + seq.num_new_tokens)
-            lens.append(end)
-            h["block_tables"][i, :len(blocks)] = blocks
-            scored = seq.request.prompt_logprob_positions(seq.start, end)
-            if scored:
-                prompt_rows.append((i, scored))
-                prompt_idx += [qsl[-2] + p - seq.start for p in scored]
-            if seq.samples:
-                sample_idx.append(qsl[-1] - 1)
-        n_real = len(batch.seqs)
-        for i in range(n_real, pad_to or n_real):   # padding: token 0 at position 0, no K/V written
-            ids.append(0)
-            pos.append(0)
-            slots.append(-1)
-            qsl.append(qsl[-1] + 1)
-            lens.append(1)
-            h["block_tables"][i, 0] = 0
-            sample_idx.append(qsl[-1] - 1)
-        n_tok, max_query_len = qsl[-1], max((qsl[i + 1] - qsl[i] for i in range(len(lens))), default=0)
+        block_tables = self._host_np[self._current]["block_tables"]
+        block_tables.fill(-1)
+        rows = self._real_rows(batch, block_tables)
+        if pad_to is not None:
+            _pad_decode(rows, pad_to, block_tables)
+        max_query_len = max((b - a for a, b in zip(rows.qsl, rows.qsl[1:])), default=0)
         if mixed_pad is not None:
-            assert not prompt_idx, "mixed-batch graphs compute no prompt logprobs"
-            n_tok, n_seq = mixed_pad
-            assert qsl[-1] <= n_tok and len(lens) <= n_seq
-            pad = n_tok - len(ids)
-            ids += [0] * pad
-            pos += [0] * pad
-            slots += [-1] * pad
-            qsl += [qsl[-1]] * (n_seq - len(lens))
-            lens += [0] * (n_seq - len(lens))
-            sample_idx += [0] * (n_seq - len(sample_idx))
-            max_query_len = n_tok
-        logits_idx = prompt_idx + sample_idx
-        n_seq = len(lens)
-        for name, values in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
-                             ("query_start_loc", qsl), ("seq_lens", lens), ("logits_indices", logits_idx),
-                             ("pending_dst", pending_dst), ("pending_src", pending_src)):
-            h[name][:len(values)] = values
+            _pad_mixed(rows, *mixed_pad)
+            max_query_len = mixed_pad[0]
+        self._write_host(rows)
         lora_info = self._build_lora(batch, pad_to, lora, mixed_pad)
         self._to_device()
-        d = self.dev
-        if pending_dst:
-            assert prev_tokens is not None, "a pending token needs the sampler output of the batch in flight"
-            n = len(pending_dst)
-            d["input_ids"].index_copy_(0, d["pending_dst"][:n], prev_tokens[d["pending_src"][:n]])
+        self._gather_pending(rows, prev_tokens)
+        return self._forward_batch(rows, max_query_len, lora_info)
+
+    def _real_rows(self, batch: ScheduledBatch, block_tables: np.ndarray) -> _HostRows:
+        """The batch's own sequences as host lists; their block tables go straight into `block_tables`
+        (the host staging array [max_num_seqs, max_blocks_per_seq])."""
+        rows = _HostRows()
+        for i, seq in enumerate(batch.seqs):
+            end = seq.start + seq.num_new_tokens
+            rows.ids += seq.token_ids
+            if len(rows.ids) < rows.qsl[-1] + seq.num_new_tokens:    # the last one is pending
+                rows.pending_dst.append(len(rows.ids))
+                rows.pending_src.append(seq.request.pending_row)
+                rows.ids.append(0)
+            rows.pos += range(seq.start, end)
+            blocks = seq.request.block_ids
+            rows.slots += [blocks[p // self.block_size] * self.block_size + p % self.block_size
+                           for p in range(seq.start, end)]
+            rows.qsl.append(rows.qsl[-1] + seq.num_new_tokens)
+            rows.lens.append(end)
+            block_tables[i, :len(blocks)] = blocks
+            scored = seq.request.prompt_logprob_positions(seq.start, end)
+            if scored:
+                rows.prompt_rows.append((i, scored))
+                rows.prompt_idx += [rows.qsl[-2] + p - seq.start for p in scored]
+            if seq.samples:
+                rows.sample_idx.append(rows.qsl[-1] - 1)
+        return rows
+
+    def _write_host(self, rows: _HostRows) -> None:
+        h = self._host_np[self._current]      # numpy views: list -> buffer writes without torch.tensor()
+        for name, values in (("input_ids", rows.ids), ("positions", rows.pos), ("slot_mapping", rows.slots),
+                             ("query_start_loc", rows.qsl), ("seq_lens", rows.lens),
+                             ("logits_indices", rows.prompt_idx + rows.sample_idx), ("pending_dst", rows.pending_dst),
+                             ("pending_src", rows.pending_src)):
+            h[name][:len(values)] = values
+
+    def _gather_pending(self, rows: _HostRows, prev_tokens: torch.Tensor | None) -> None:
+        """Each pending token's input id, taken on the device from the sampler output of the batch in flight."""
+        if not rows.pending_dst:
+            return
+        assert prev_tokens is not None, "a pending token needs the sampler output of the batch in flight"
+        d, n = self.dev, len(rows.pending_dst)
+        d["input_ids"].index_copy_(0, d["pending_dst"][:n], prev_tokens[d["pending_src"][:n]])
+
+    def _forward_batch(self, rows: _HostRows, max_query_len: int, lora_info: LoRABatchInfo | None) -> ForwardBatch:
+        d, n_tok, n_seq = self.dev, len(rows.ids), len(rows.lens)
+        num_logits = len(rows.prompt_idx) + len(rows.sample_idx)
         return ForwardBatch(
             num_tokens=n_tok, num_seqs=n_seq, max_query_len=max_query_len,
             input_ids=d["input_ids"][:n_tok], positions=d["positions"][:n_tok],
             slot_mapping=d["slot_mapping"][:n_tok], query_start_loc=d["query_start_loc"][:n_seq + 1],
             seq_lens=d["seq_lens"][:n_seq], block_tables=d["block_tables"][:n_seq],
-            logits_indices=d["logits_indices"][:len(logits_idx)], lora=lora_info,
-            sample_rows=list(range(len(prompt_idx), len(logits_idx))), prompt_rows=prompt_rows,
-            query_start_loc_host=qsl, seq_lens_host=lens)
+            logits_indices=d["logits_indices"][:num_logits], lora=lora_info,
+            sample_rows=list(range(len(rows.prompt_idx), num_logits)), prompt_rows=rows.prompt_rows,
+            query_start_loc_host=rows.qsl, seq_lens_host=rows.lens)
 
     @property
     def host(self) -> dict[str, torch.Tensor]:
@@ -164,7 +204,7 @@ class InputBuilder:
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
                              max_rank=max_rank, max_seg_len=max_seg_len,
-                             overlap=pad_to is not None or self.eager_overlap,
+                             overlap=pad_to is not None,
                              seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
 
     def _to_device(self) -> None:

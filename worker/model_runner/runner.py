@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -12,9 +11,7 @@ from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool
-from worker.layers.embedding import LMHead
-from worker.layers.linear import Linear
-from worker.lora.gpu_pool import GPULoRAPool, SlotLoad
+from worker.lora.gpu_pool import GPULoRAPool
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
 from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow, compute_logprobs
@@ -23,17 +20,6 @@ from worker.models.registry import build_model
 from worker.request import Request
 
 logger = logging.getLogger(__name__)
-GEMV_MAX_ROWS = 2     # batches up to this size use kernels/gemv.py (<= its MAX_ROWS); at 4 cuBLAS is faster
-SKINNY_MAX_ROWS = 32  # larger ones up to this size kernels/skinny_gemm.py (4.3% under cuBLAS at 32 rows, 1.1% over
-                      # at 64: BENCHMARKS.md)
-
-
-def set_small_batch_rows(model: torch.nn.Module, gemv_rows: int, skinny_rows: int) -> None:
-    """Route projections of at most `gemv_rows` rows (decode at batch 1-2) to the small-batch GEMV and those of
-    up to `skinny_rows` to kernels/skinny_gemm.py (layers/linear.project)."""
-    for module in model.modules():
-        if isinstance(module, (Linear, LMHead)):
-            module.gemv_max_rows, module.skinny_max_rows = gemv_rows, skinny_rows
 
 
 @dataclass
@@ -69,18 +55,9 @@ class ModelRunner:
                  max_model_len: int):
         self.device, self.dtype = device, dtype
         m = config.model
-        self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, m.seed)
-        if device.type == "cuda":
-            from worker.kernels import pdl               # Triton; imported here so CPU installs need none
-            pdl.set_enabled(config.programmatic_launch)
-            skinny_rows = 0
-            if config.skinny_gemm:
-                from worker.kernels import skinny_gemm   # Triton; imported here so CPU installs need none
-                skinny_gemm.sync_buffer(device)          # before any graph capture
-                skinny_rows = min(SKINNY_MAX_ROWS, skinny_gemm.MAX_ROWS)
-            set_small_batch_rows(self.model, GEMV_MAX_ROWS if config.small_batch_gemv else 0, skinny_rows)
+        self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
-                                     side_stream=config.lora.lora_side_stream)
+                                     side_stream=config.kernels.lora_side_stream)
         self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
         sched = config.scheduler
         max_blocks = -(-max_model_len // config.cache.block_size)
@@ -101,18 +78,6 @@ class ModelRunner:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_pool.num_blocks
-
-    def load_adapter(self, slot: int, packed: torch.Tensor, rank: int, key: Hashable) -> None:
-        """Start copying a packed adapter (host_cache.HostAdapter.packed) into `slot`; see lora_pool.start_load."""
-        self.lora_pool.start_load(slot, packed, rank, key)
-
-    def finished_adapter_loads(self) -> list[SlotLoad]:
-        """Adapter copies found complete since the last call; never waits."""
-        return self.lora_pool.finished_loads()
-
-    def wait_for_adapters(self, slots: Iterable[int]) -> None:
-        """Order the next step's work after the copies into `slots`."""
-        self.lora_pool.wait_for(slots)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3.x, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
 
-Our own modules: fused qkv and gate_up projections, paged attention, LoRA on every projection.
+Our own modules: fused qkv and gate_up projections, paged attention, LoRA on every projection. `kernels`
+(layers/kernel_choices.py) is handed to every layer that launches a kernel.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from worker.batch import ForwardBatch
 from worker.layers.attention import Attention
 from worker.layers.embedding import Embedding, LMHead
+from worker.layers.kernel_choices import KernelChoices
 from worker.layers.linear import Linear
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
@@ -17,14 +19,15 @@ from worker.models.hf_config import ArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype)
-        self.o_proj = Linear(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary)
+        self.qkv_proj = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype,
+                               kernels)
+        self.o_proj = Linear(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype, kernels)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, kernels)
 
     def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [num_tokens, hidden] -> (o_proj output, its deferred LoRA delta or None)."""
@@ -44,18 +47,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices):
         super().__init__()
         i = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [i, i], cfg.mlp_bias, dtype)
-        self.down_proj = Linear(i, [cfg.hidden_size], cfg.mlp_bias, dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, [i, i], cfg.mlp_bias, dtype, kernels)
+        self.down_proj = Linear(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [num_tokens, hidden] -> (down_proj output, its deferred LoRA delta or None)."""
         gate_up, delta = self.gate_up_proj.forward_deferred(x, batch.lora)   # [num_tokens, 2 * intermediate]
         if gate_up.is_cuda:   # Triton kernel; imported here so CPU-only installs need no triton
             from worker.kernels.fused import silu_and_mul
-            act = silu_and_mul(gate_up, delta)
+            act = silu_and_mul(gate_up, delta, self.kernels.programmatic_launch)
         else:
             from worker.kernels.reference import silu_and_mul
             act = silu_and_mul(gate_up)
@@ -63,12 +67,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, kernels)
+        self.mlp = LlamaMLP(cfg, dtype, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
     def forward(self, h: torch.Tensor, h_lora: torch.Tensor | None, residual: torch.Tensor | None, kv_cache,
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -95,15 +99,15 @@ class LlamaForCausalLM(nn.Module):
                     "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                     "down_proj": ("down_proj", 0)}
 
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int, kernels: KernelChoices):
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, kernels) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype,
-                              self.embed_tokens if cfg.tie_word_embeddings else None)
+                              self.embed_tokens if cfg.tie_word_embeddings else None, kernels)
 
     def projection(self, layer: int, name: str) -> Linear:
         """Our fused projection `name` (qkv_proj, o_proj, gate_up_proj, down_proj) of a layer."""

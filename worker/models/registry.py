@@ -6,6 +6,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker.config import KernelConfig
+from worker.layers.kernel_choices import KernelChoices
 from worker.models.dummy import init_dummy_weights
 from worker.models.hf_config import ArchConfig
 from worker.models.llama import LlamaForCausalLM
@@ -20,14 +22,17 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
-                max_positions: int, seed: int = 0) -> nn.Module:
+                max_positions: int, kernels: KernelConfig, seed: int = 0) -> nn.Module:
+    """The model of the checkpoint directory `path` on `device`, its layers built with `kernels` resolved for
+    the device (layers/kernel_choices.py; before any CUDA-graph capture)."""
     cfg = ArchConfig.from_dir(path)
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"Model architecture {cfg.architecture!r} is not supported; "
                          f"supported architectures: {sorted(MODEL_CLASSES)}")
+    choices = KernelChoices.resolve(kernels, device)
     with torch.device(device):
-        model = cls(cfg, dtype, max_positions)
+        model = cls(cfg, dtype, max_positions, choices)
     with torch.no_grad():
         if load_format == "dummy":
             init_dummy_weights(model, seed)

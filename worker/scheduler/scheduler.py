@@ -2,7 +2,7 @@
 
 One engine step: `batch = schedule()`, the runner launches `batch`, `launched(batch)`; the sampled
 tokens are filed later with `tokens_arrived(batch, sampled)` (async scheduling: the next schedule()
-may run first, with each sampling request holding one pending token), or at once with `update()`.
+may run first, with each sampling request holding one pending token).
 Decisions (order, preemption victim, bypass rule) are in policy.py; this file does the mechanics.
 
 Invariant: a RUNNING request owns KV blocks covering its computed tokens and, when it has an
@@ -45,7 +45,7 @@ class Scheduler:
         self.waiting: list[Request] = []   # policy.waiting_key order; read-only outside this class
         self.running: list[Request] = []   # policy.running_key order (oldest first); read-only outside
         self._unfinished: dict[str, Request] = {}
-        self._rejected: list[Request] = []  # ended with "error" in schedule(); next update() returns them
+        self._rejected: list[Request] = []  # ended with "error" in schedule(); next launched() returns them
 
     @property
     def num_running(self) -> int:
@@ -59,6 +59,7 @@ class Scheduler:
         return bool(self._unfinished)
 
     def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request `request_id`; None once it has finished or if it never existed."""
         return self._unfinished.get(request_id)
 
     def add_request(self, request: Request) -> None:
@@ -72,19 +73,26 @@ class Scheduler:
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request now with "abort", giving back its blocks and slot reference."""
         request = self._unfinished.get(request_id)
-        if request is None:
-            return None
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        request.finish_reason = "abort"
-        self._finish(request)
+        if request is not None:
+            self._end(request, "abort")
         return request
+
+    def fail_adapter(self, ref: AdapterRef, batch: ScheduledBatch | None = None) -> list[Request]:
+        """End every unfinished request of `ref` with "error" (its weights could not be read), drop their
+        sequences from `batch` (scheduled, not launched) and forget the slot it was given; returns them."""
+        failed = [r for r in self._unfinished.values() if r.adapter == ref]
+        if batch is not None:
+            batch.seqs = [s for s in batch.seqs if s.request.adapter != ref]
+        for request in failed:
+            self._end(request, "error")
+        self.slots.drop(ref)     # blocking loads gave it a slot it never got weights for
+        return failed
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's tokens: running requests first, then admissions from the queue.
 
         A request whose tokens could never fit the whole KV pool finishes with "error"; it is
-        returned by the next `update()`, which must therefore follow every `schedule()`, also
+        returned by the next `launched()`, which must therefore follow every `schedule()`, also
         when the batch is empty.
         """
         batch = ScheduledBatch()
@@ -97,10 +105,6 @@ class Scheduler:
         if not batch.preempted:   # memory is short: readmitting now would only churn
             self._admit_waiting(batch, budget, starved)
         return batch
-
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Request]:
-        """Record a computed step: `launched(batch)` and `tokens_arrived(batch, ...)` at once."""
-        return self.launched(batch) + self.tokens_arrived(batch, sampled_token_ids)
 
     def launched(self, batch: ScheduledBatch) -> list[Request]:
         """The batch was handed to the device: its tokens count as computed and each sampling seq's
@@ -138,9 +142,7 @@ class Scheduler:
             request.num_pending -= 1
             request.output_token_ids.append(token)
             if request.check_stop():
-                if request.status is RequestStatus.WAITING:
-                    self.waiting.remove(request)
-                self._finish(request)
+                self._end(request, request.finish_reason)
             changed.append(request)
         return changed
 
@@ -246,6 +248,13 @@ class Scheduler:
         request.finish_reason = "error"
         self._finish(request)
         self._rejected.append(request)
+
+    def _end(self, request: Request, reason: str) -> None:
+        """Any unfinished status -> FINISHED with `reason`, out of whichever queue holds it."""
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.finish_reason = reason
+        self._finish(request)
 
     def _finish(self, request: Request) -> None:
         """Any status -> FINISHED; the caller has set finish_reason and removed it from waiting."""

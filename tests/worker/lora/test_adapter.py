@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tests.hf_fixtures import ADAPTERS, adapter_dir
 from worker.config import LoRAConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
-from worker.lora.adapter import AdapterError, load_adapter
+from worker.lora.adapter import AdapterError, read_adapter_weights
 from worker.models.hf_config import ArchConfig
 
 
@@ -38,7 +38,7 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: s.name)
 def test_scalings_follow_peft_rules(hf_models, spec):
     arch = ArchConfig.from_dir(hf_models["llama"])
-    adapter = load_adapter(spec.name, adapter_dir(hf_models["llama"], spec.name), arch, 16, torch.float32)
+    adapter = read_adapter_weights(spec.name, adapter_dir(hf_models["llama"], spec.name), arch, 16, torch.float32)
     assert set(adapter.target_modules) == set(spec.targets)
     for (layer, target), m in adapter.modules.items():
         r = (spec.rank_pattern or {}).get(target, spec.r)

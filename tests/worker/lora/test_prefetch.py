@@ -1,13 +1,10 @@
 """Queue-driven prefetch: the prefetcher alone (real slot table and host cache, a recording loader), then
 in an engine, where a queued request's adapter is resident before its turn comes."""
-import concurrent.futures
 
-import pytest
 import torch
 
 from tests.hf_fixtures import ADAPTERS, adapter_dir
-from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from worker.engine import Engine
+from tests.worker.lora.engine_runs import make_engine
 from worker.ipc.messages import SamplingParams
 from worker.lora.host_cache import HostAdapter, HostCache
 from worker.lora.prefetcher import Prefetcher
@@ -29,13 +26,6 @@ class RecordingLoader:
     @property
     def num_in_flight(self):
         return len(self.started)
-
-
-class InlineExecutor(concurrent.futures.Executor):
-    def submit(self, fn, /, *args, **kwargs):
-        future = concurrent.futures.Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
 
 
 def queue(*adapters) -> list[Request]:
@@ -118,27 +108,19 @@ def test_window_bounds_how_far_the_queue_is_read():
     assert loader.started == REFS[:3]
 
 
-@pytest.fixture(scope="module")
-def llama(hf_models):
-    return hf_models["llama"]
-
-
 def test_queued_adapter_is_on_the_gpu_before_its_turn(llama):
     """One request runs at a time; the next one's adapter loads meanwhile, and it starts the very next
     step after the first finishes, with no load in between."""
-    config = WorkerConfig(ModelConfig(str(llama)), cache=CacheConfig(block_size=4, num_blocks_override=256),
-                          lora=LoRAConfig(max_loras=2), scheduler=SchedulerConfig(max_num_seqs=1), device="cpu")
-    engine = Engine(config)
-    engine.loader.executor = InlineExecutor()           # reads finish when started: steps are deterministic
     first, second = ADAPTERS[0].name, ADAPTERS[1].name
-    for name in (first, second):
-        engine.add_adapter(name, str(adapter_dir(llama, name)))
+    # reads run inline, finishing when started: the steps are deterministic
+    engine = make_engine(llama, {name: str(adapter_dir(llama, name)) for name in (first, second)}, max_loras=2,
+                         max_num_seqs=1)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], greedy, first)
     engine.add_request("b", [8, 9], greedy, second)
     loads = []
-    load = engine.runner.load_adapter
-    engine.runner.load_adapter = lambda slot, packed, rank, key: (loads.append(key.name), load(slot, packed, rank, key))
+    load = engine.loads.pool.start_load
+    engine.loads.pool.start_load = lambda slot, packed, rank, key: (loads.append(key.name), load(slot, packed, rank, key))
     steps, finished_a = [], None
     while engine.has_unfinished():
         outs = {o.request_id: o for o in engine.step()}

@@ -26,6 +26,11 @@ def make_request(i, prompt_len, max_tokens, adapter=None):
                    arrival_seq=i, adapter=adapter)
 
 
+def run_step(scheduler, batch, sampled):
+    """The engine's order for a synchronous step: launched, then the sampled tokens filed."""
+    return scheduler.launched(batch) + scheduler.tokens_arrived(batch, sampled)
+
+
 def fake_token(request):
     """Depends only on the request and how many tokens it already has, so recompute is invisible."""
     return 1000 * (request.arrival_seq + 1) + len(request.output_token_ids)
@@ -36,7 +41,7 @@ def expected_outputs(request):
 
 
 class FakeRunner:
-    """Drives schedule/update and checks every batch against an independent model of the runner:
+    """Drives schedule, launched and tokens_arrived, and checks every batch against an independent model of the runner:
     the tokens whose K/V it holds per request, and which adapter each GPU slot holds."""
 
     def __init__(self, scheduler):
@@ -60,7 +65,7 @@ class FakeRunner:
             assert seq.samples == (len(kv) == seq.request.num_tokens)
             if seq.samples:
                 sampled.append(fake_token(seq.request))
-        outputs = self.scheduler.update(batch, sampled)
+        outputs = run_step(self.scheduler, batch, sampled)
         self._record(outputs)
         self._check_ownership()
         return plan, batch, outputs
@@ -120,7 +125,7 @@ class FakeRunner:
 
 
 def summary(batch):
-    """(request id, start, new tokens, samples) per seq; read before update() changes the requests."""
+    """(request id, start, new tokens, samples) per seq; read before the tokens are filed, which changes the requests."""
     return [(s.request.request_id, s.start, s.num_new_tokens, s.samples) for s in batch.seqs]
 
 
@@ -309,27 +314,47 @@ def test_abort_running_frees_blocks_and_slot_reference_immediately():
     assert scheduler.abort_request("r0") is None
 
 
+def test_failed_adapter_ends_its_requests_and_leaves_the_others_in_the_batch():
+    """A blocking load that fails in the step that admitted its requests: they end with "error", leave the
+    batch unlaunched, give back their blocks and slot reference, and the slot is free again."""
+    scheduler = make_scheduler(max_loras=2, max_num_seqs=2)
+    running, other, waiting = make_request(0, 3, 4, HOT), make_request(1, 3, 4), make_request(2, 3, 4, HOT)
+    scheduler.add_request(running)
+    run_step(scheduler, scheduler.schedule(), [1])
+    for request in (other, waiting):        # max_num_seqs 2: the second one waits
+        scheduler.add_request(request)
+    batch = scheduler.schedule()
+    assert [s.request for s in batch.seqs] == [running, other] and scheduler.waiting == [waiting]
+    assert scheduler.fail_adapter(HOT, batch) == [running, waiting]
+    assert [s.request for s in batch.seqs] == [other]
+    assert all(r.status is RequestStatus.FINISHED and r.finish_reason == "error" for r in (running, waiting))
+    assert scheduler.waiting == [] and scheduler.running == [other]
+    assert scheduler.slots.slot_of(HOT) is None and scheduler.slots.num_used == 0
+    assert scheduler.blocks.num_free == scheduler.blocks.num_blocks - len(other.block_ids)
+    assert run_step(scheduler, batch, [7]) == [other] and other.output_token_ids == [7]
+
+
 def test_abort_waiting_and_unknown_requests():
     scheduler = make_scheduler(max_num_seqs=1)
     r0, r1 = make_request(0, 2, 2), make_request(1, 2, 2)
     scheduler.add_request(r0)
     scheduler.add_request(r1)
-    scheduler.update(scheduler.schedule(), [1])
+    run_step(scheduler, scheduler.schedule(), [1])
     assert scheduler.abort_request("r1") is r1 and scheduler.num_waiting == 0
     assert r1.finish_reason == "abort" and r1.status is RequestStatus.FINISHED
     assert scheduler.abort_request("nope") is None
     assert scheduler.get_request("r0") is r0
 
 
-def test_abort_between_schedule_and_update_is_ignored():
+def test_abort_between_schedule_and_filing_is_ignored():
     scheduler = make_scheduler()
     requests = [make_request(i, 2, 4) for i in range(3)]
     for request in requests:
         scheduler.add_request(request)
-    scheduler.update(scheduler.schedule(), [10, 11, 12])
+    run_step(scheduler, scheduler.schedule(), [10, 11, 12])
     batch = scheduler.schedule()
     scheduler.abort_request("r1")
-    outputs = scheduler.update(batch, [20, 21, 22])
+    outputs = run_step(scheduler, batch, [20, 21, 22])
     assert outputs == [requests[0], requests[2]]
     assert [r.output_token_ids for r in requests] == [[10, 20], [11], [12, 22]]
     assert requests[0].num_computed_tokens == 3 and requests[1].num_computed_tokens == 2

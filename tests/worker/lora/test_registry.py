@@ -1,0 +1,105 @@
+"""The adapter registry in the engine (lora/registry.py): runtime load / unload / load_inplace during
+traffic, auto-load from --lora-dir, pinning. Every output is checked against the same request run alone."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.worker.lora.engine_runs import alone, greedy, make_engine, prompt, run, tokens
+from worker.engine import Engine
+from worker.lora.adapter import AdapterError
+
+# runtime changes during traffic
+
+
+def step_collecting(engine: Engine, steps: int) -> dict[str, list]:
+    """Outputs of `steps` engine steps, per request id."""
+    outs: dict[str, list] = {}
+    for _ in range(steps):
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_unload_lets_in_flight_requests_finish_then_frees_the_adapter(llama, variants):
+    engine = make_engine(llama, {"v4": variants["v4"]}, max_num_seqs=1)
+    engine.add_request("running", prompt(5, 6), greedy(6), "v4")
+    engine.add_request("queued", prompt(6, 7), greedy(4), "v4")
+    outs = step_collecting(engine, 2)
+    engine.remove_adapter("v4")
+    with pytest.raises(AdapterError, match="The model `v4` does not exist.") as err:
+        engine.add_request("late", prompt(3, 8), greedy(2), "v4")
+    assert err.value.status_code == 404
+    assert engine.adapter_states() == [] and engine.lora_stats().gpu_slots_used == 1
+    for request_id, more in run(engine).items():
+        outs.setdefault(request_id, []).extend(more)
+    assert tokens(outs["running"]) == alone(llama, variants["v4"], prompt(5, 6), 6)
+    assert tokens(outs["queued"]) == alone(llama, variants["v4"], prompt(6, 7), 4)
+    stats = engine.lora_stats()
+    assert (stats.gpu_slots_used, stats.host_entries, stats.host_bytes) == (0, 0, 0)
+
+
+def test_load_inplace_keeps_old_requests_on_old_weights_and_new_on_new(llama, variants):
+    engine = make_engine(llama, {"live": variants["v0"]}, max_num_seqs=1)
+    engine.add_request("old-running", prompt(5, 9), greedy(5), "live")
+    engine.add_request("old-queued", prompt(4, 10), greedy(3), "live")
+    outs = step_collecting(engine, 2)
+    engine.add_adapter("live", variants["v1"], load_inplace=True)
+    (state,) = engine.adapter_states()
+    assert (state.version, state.path) == (2, variants["v1"])
+    engine.add_request("new", prompt(5, 9), greedy(5), "live")
+    for request_id, more in run(engine).items():
+        outs.setdefault(request_id, []).extend(more)
+    assert tokens(outs["old-running"]) == alone(llama, variants["v0"], prompt(5, 9), 5)
+    assert tokens(outs["old-queued"]) == alone(llama, variants["v0"], prompt(4, 10), 3)
+    assert tokens(outs["new"]) == alone(llama, variants["v1"], prompt(5, 9), 5)
+    assert engine.lora_stats().gpu_slots_used == 1           # the old version is gone
+
+
+def test_adapter_loaded_during_traffic_serves_new_requests(llama, variants):
+    engine = make_engine(llama, {"v0": variants["v0"]})
+    arrivals = {0: [("a", prompt(6, 11), greedy(8), "v0")], 3: [("b", prompt(4, 12), greedy(3), None)]}
+    outs = {}
+    for step in range(4):
+        for args in arrivals.get(step, []):
+            engine.add_request(*args)
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    engine.add_adapter("v5", variants["v5"])
+    engine.add_request("c", prompt(5, 13), greedy(4), "v5")
+    for request_id, more in run(engine).items():
+        outs.setdefault(request_id, []).extend(more)
+    assert tokens(outs["a"]) == alone(llama, variants["v0"], prompt(6, 11), 8)
+    assert tokens(outs["c"]) == alone(llama, variants["v5"], prompt(5, 13), 4)
+
+
+# auto-load, pinning
+
+
+def test_unknown_name_under_a_lora_dir_loads_on_first_use(llama, variants, tmp_path):
+    shutil.copytree(variants["v2"], tmp_path / "found")
+    engine = make_engine(llama, lora_dirs=[str(tmp_path)])
+    outs = run(engine, {0: [("x", prompt(5, 14), greedy(4), "found")]})
+    assert tokens(outs["x"]) == alone(llama, variants["v2"], prompt(5, 14), 4)
+    assert [(s.name, s.path) for s in engine.adapter_states()] == [("found", str(tmp_path / "found"))]
+    for name in ("missing", "../found", str(tmp_path / "found")):
+        with pytest.raises(AdapterError, match="does not exist") as err:
+            engine.add_request("y", [1, 2], greedy(1), name)
+        assert err.value.status_code == 404
+
+
+def test_pinned_adapter_is_never_evicted(llama, variants):
+    engine = make_engine(llama, max_loras=2, max_cpu_loras=2)
+    engine.add_adapter("pin", variants["v0"], pinned=True)
+    for name in ("v1", "v2", "v3"):
+        engine.add_adapter(name, variants[name])
+    run(engine, {0: [("p", prompt(3, 17), greedy(2), "pin")]})
+    slot = engine.scheduler.slots.slot_of(engine.adapters.refs["pin"])
+    for i, name in enumerate(["v1", "v2", "v3", "v1"]):
+        run(engine, {0: [(f"r{i}", prompt(3, i), greedy(2), name)]})
+        assert engine.scheduler.slots.slot_of(engine.adapters.refs["pin"]) == slot
+        assert engine.loads.host_cache.is_filled(engine.adapters.refs["pin"])
+    assert [s.pinned for s in engine.adapter_states()] == [True, False, False, False]
+    with pytest.raises(AdapterError, match="Cannot pin LoRA adapter 'v1': 1 adapters are pinned already"):
+        engine.add_adapter("v1", variants["v1"], load_inplace=True, pinned=True)

@@ -1,0 +1,37 @@
+"""KernelChoices: WorkerConfig.kernels resolved for one device, held by the layers that launch kernels.
+
+models/registry.build_model resolves it once, before any CUDA-graph capture, and hands it to every layer it
+builds; no layer reads a global or has its choices written onto it afterwards. On the CPU everything is off:
+the layers run the torch references (kernels/reference.py) and need no Triton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.config import KernelConfig
+
+
+@dataclass(frozen=True, eq=False)
+class KernelChoices:
+    gemv_row_limit: int = 0            # projections of at most this many rows run kernels/gemv.py (0: none)
+    skinny_row_limit: int = 0          # larger ones up to this many kernels/skinny_gemm.py (0: none); cuBLAS above
+    programmatic_launch: bool = False  # Triton kernels launch with PDL (kernels/pdl.py); True only where the
+                                       # device has it
+    skinny_counters: torch.Tensor | None = None   # [skinny_gemm.NUM_COUNTERS] int32, the arrival counters every
+                                                  # skinny_gemm launch on the device shares (None: no skinny GEMM)
+
+    @classmethod
+    def resolve(cls, config: KernelConfig, device: torch.device) -> KernelChoices:
+        """The choices of `config` that `device` can run; the skinny GEMM's counters are allocated here."""
+        if device.type != "cuda":
+            return cls()
+        from worker.kernels import gemv, pdl, skinny_gemm   # Triton; imported here so CPU installs need none
+        for name, rows, limit in (("gemv_row_limit", config.gemv_row_limit, gemv.MAX_ROWS),
+                                  ("skinny_row_limit", config.skinny_row_limit, skinny_gemm.MAX_ROWS)):
+            if rows > limit:
+                raise ValueError(f"KernelConfig.{name}={rows} is above what the kernel takes ({limit})")
+        return cls(gemv_row_limit=config.gemv_row_limit, skinny_row_limit=config.skinny_row_limit,
+                   programmatic_launch=pdl.active(device, config.programmatic_launch),
+                   skinny_counters=skinny_gemm.new_counters(device) if config.skinny_row_limit else None)

@@ -1,0 +1,203 @@
+"""The byte layout of one adapter slot, and an adapter written in it (from its tensors, or from its file).
+
+A slot's bytes hold, for every layer and fused projection in turn, the A matrices, the B matrices and
+the per-slice scalings; each projection's LoRAWeights are strided views across all slots:
+
+    slot s: [ L0.qkv: A | B | scalings ][ L0.o_proj: A | B | scalings ] ... [ Ln.down_proj: ... ]
+    LoRAWeights.a of L0.qkv = slots[:, a_offset : a_offset + a_bytes] viewed as [num_slots, 3 * R, hidden]
+
+The host cache keeps adapters in this layout, so a load into a GPU slot is one copy (lora/gpu_pool.py).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.batch import LoRAWeights
+from worker.lora.adapter import (AdapterBytes, AdapterError, AdapterSource, AdapterSpec, ModuleBytes, ModuleSource,
+                                 locate_adapter, read_adapter)
+from worker.lora.file_reads import read_in_parts
+from worker.lora.host_cache import HostAdapter
+from worker.models.hf_config import ArchConfig
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class _Region:
+    """Where one fused projection's LoRA weights sit in a slot, in bytes."""
+    a_offset: int
+    b_offset: int
+    scalings_offset: int
+    a_shape: tuple[int, int]          # [num_slices * R, in_features]
+    b_shape: tuple[int, int]          # [out_features, R]
+    slice_offsets: tuple[int, ...]    # [num_slices + 1]
+
+
+class SlotLayout:
+    """The byte layout of one adapter slot; `pack` writes an adapter in it, `views` reads it back."""
+
+    def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype):
+        self.max_rank, self.dtype = max_rank, dtype
+        self.targets = model.lora_targets          # LoRA target module -> (fused projection, slice)
+        item = dtype.itemsize
+        self.regions: dict[tuple[int, str], _Region] = {}
+        offset = 0
+        for layer in range(model.cfg.num_layers):
+            for name in _PROJECTIONS:
+                proj = model.projection(layer, name)
+                n = len(proj.output_sizes)
+                a_shape, b_shape = (n * max_rank, proj.in_features), (proj.slice_offsets[-1], max_rank)
+                b_offset = offset + _aligned(a_shape[0] * a_shape[1] * item)
+                s_offset = b_offset + _aligned(b_shape[0] * b_shape[1] * item)
+                self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape,
+                                                      tuple(proj.slice_offsets))
+                offset = s_offset + _aligned(4 * n)
+        self.num_bytes = offset
+
+    def views(self, slots: torch.Tensor) -> dict[tuple[int, str], LoRAWeights]:
+        """Per-projection weights over `slots` ([num_slots, num_bytes] uint8), sharing its storage."""
+        def view(offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            size = math.prod(shape) * dtype.itemsize
+            return slots[:, offset:offset + size].view(dtype).unflatten(1, shape)
+
+        return {key: LoRAWeights(a=view(r.a_offset, r.a_shape, self.dtype),
+                                 b=view(r.b_offset, r.b_shape, self.dtype),
+                                 scalings=view(r.scalings_offset, (len(r.slice_offsets) - 1,), torch.float32),
+                                 slice_offsets=r.slice_offsets)
+                for key, r in self.regions.items()}
+
+    @torch.no_grad()
+    def pack(self, adapter: AdapterBytes, pin: bool) -> torch.Tensor:
+        """`adapter` as one slot's bytes ([num_bytes] uint8), built by a single concatenation of its
+        tensors' bytes, its scalings and zero fill (a few tensor operations in all, whatever the number
+        of modules); modules it does not target stay zero.
+
+        A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R.
+        """
+        assert adapter.dtype == self.dtype, f"adapter read as {adapter.dtype}, slots hold {self.dtype}"
+        parts = [("bytes", m.a) if kind == "a" else ("bytes", self._b_rows(m)) if kind == "b" else (kind, m)
+                 for kind, m in self._parts(adapter.modules)]
+        return self._concatenate(parts, pin)
+
+    @torch.no_grad()
+    def read_packed(self, source: AdapterSource, pin: bool, out: torch.Tensor | None = None,
+                    pool: concurrent.futures.Executor | None = None, parts: int = 1) -> torch.Tensor | None:
+        """The slot bytes of `source` (adapter.locate_adapter) as `pack` builds them, with the weights read
+        from the file straight into place: one scattered read (os.preadv) per file-contiguous run of
+        tensors, no staging copy. None when the file stores another dtype than the slots' (read_adapter
+        converts it, then pack). The reads release the GIL for their whole length, so a reader thread
+        barely holds up the step loop. `out`: a [num_bytes] uint8 buffer to fill (every byte is written).
+        `pool`, `parts`: split the file reads into up to `parts` pieces read side by side on `pool`.
+        """
+        if source.dtypes != {self.dtype}:
+            return None
+        item, R = self.dtype.itemsize, self.max_rank
+        packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin) if out is None else out
+        assert packed.shape == (self.num_bytes,) and packed.dtype == torch.uint8 and packed.is_contiguous()
+        # numpy for the small writes: no GIL hand-offs to the step loop between them (torch ops release
+        # the GIL and wait up to a switch interval to get it back); the reads release it for their length
+        buf = packed.numpy()
+        view = memoryview(buf)
+        reads: list[tuple[int, memoryview]] = []          # (file offset, destination)
+        padded: list[tuple[int, ModuleSource, np.ndarray]] = []   # B rows of rank < R, read aside
+        offset = 0
+        for kind, value in self._parts(source.modules):
+            if kind == "a":
+                size = value.rank * value.in_features * item
+                reads.append((value.a[0], view[offset:offset + size]))
+            elif kind == "b":
+                size = value.out_features * R * item
+                if value.rank == R:
+                    reads.append((value.b[0], view[offset:offset + size]))
+                else:
+                    rows = np.empty(value.b[1] - value.b[0], dtype=np.uint8)
+                    reads.append((value.b[0], memoryview(rows)))
+                    padded.append((offset, value, rows))
+            elif kind == "scalings":
+                size = 4 * len(value)
+                buf[offset:offset + size] = np.array(value, dtype=np.float32).view(np.uint8)
+            else:
+                size = value
+                buf[offset:offset + size] = 0
+            offset += size
+        with open(source.file, "rb") as f:
+            read_in_parts(f.fileno(), reads, pool, parts)
+        for offset, m, rows in padded:     # [out, R] rows of bytes: the first rank columns read, the rest zero
+            b = buf[offset:offset + m.out_features * R * item].reshape(m.out_features, R * item)
+            b[:, :m.rank * item] = rows.reshape(m.out_features, m.rank * item)
+            b[:, m.rank * item:] = 0
+        return packed
+
+    def _parts(self, modules: dict) -> list[tuple[str, object]]:
+        """The slot's bytes in order: ("a", module) its lora_A rows, ("b", module) its lora_B rows padded to R
+        columns, ("zeros", count), ("scalings", floats); modules: (layer, target) -> ModuleBytes or ModuleSource."""
+        item, R = self.dtype.itemsize, self.max_rank
+        by_slice = {(layer, *self.targets[target]): m for (layer, target), m in modules.items()}
+        parts: list[tuple[str, object]] = []
+        for (layer, name), region in self.regions.items():
+            slices = [by_slice.get((layer, name, s)) for s in range(len(region.slice_offsets) - 1)]
+            in_features, out_features = region.a_shape[1], region.b_shape[0]
+            for m in slices:
+                parts += ([("zeros", R * in_features * item)] if m is None else
+                          [("a", m), ("zeros", (R - m.rank) * in_features * item)])
+            parts.append(("zeros", region.b_offset - region.a_offset - region.a_shape[0] * in_features * item))
+            for m, lo, hi in zip(slices, region.slice_offsets, region.slice_offsets[1:]):
+                parts.append(("zeros", (hi - lo) * R * item) if m is None else ("b", m))
+            parts.append(("zeros", region.scalings_offset - region.b_offset - out_features * R * item))
+            parts.append(("scalings", [0.0 if m is None else m.scaling for m in slices]))
+            parts.append(("zeros", _aligned(4 * len(slices)) - 4 * len(slices)))
+        return parts
+
+    def _b_rows(self, m: ModuleBytes) -> torch.Tensor:
+        """lora_B bytes with each row padded to R columns."""
+        if m.rank == self.max_rank:
+            return m.b
+        rows = m.b.view(self.dtype).view(m.out_features, m.rank)
+        return F.pad(rows, (0, self.max_rank - m.rank)).view(-1).view(torch.uint8)
+
+    def _concatenate(self, parts: list[tuple[str, object]], pin: bool) -> torch.Tensor:
+        zero_counts = [n for kind, n in parts if kind == "zeros"]
+        zeros = iter(torch.zeros(sum(zero_counts), dtype=torch.uint8).split(zero_counts))
+        values = [v for kind, floats in parts if kind == "scalings" for v in floats]
+        scalings = iter(torch.tensor(values, dtype=torch.float32).view(torch.uint8).split(
+            [4 * len(floats) for kind, floats in parts if kind == "scalings"]))
+        tensors = [part if kind == "bytes" else next(zeros) if kind == "zeros" else next(scalings)
+                   for kind, part in parts]
+        packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin)
+        return torch.cat(tensors, out=packed)
+
+
+class PackedReader:
+    """spec -> HostAdapter: check the directory again (it may have changed since it was registered) and
+    read it into the GPU slot layout: straight from the file into place when it stores the slots' dtype
+    (SlotLayout.read_packed), else read, converted and packed. With `read_threads` > 1 the file reads
+    of one adapter are split across that many threads of the reader's own pool."""
+
+    def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool, read_threads: int = 1):
+        self.arch, self.layout, self.pin = arch, layout, pin
+        self.read_threads = read_threads
+        self.pool = (concurrent.futures.ThreadPoolExecutor(read_threads, thread_name_prefix="lora-io")
+                     if read_threads > 1 else None)
+
+    def __call__(self, spec: AdapterSpec) -> HostAdapter:
+        source = locate_adapter(spec.name, spec.path, self.arch, self.layout.max_rank)
+        try:
+            packed = self.layout.read_packed(source, self.pin, pool=self.pool, parts=self.read_threads)
+        except OSError as e:
+            raise AdapterError(f"adapter_model.safetensors in {spec.path} is unreadable: {e!r}") from e
+        if packed is None:
+            adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
+            packed = self.layout.pack(adapter, self.pin)
+        return HostAdapter(packed, source.spec.rank)
