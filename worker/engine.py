@@ -230,7 +230,8 @@ class Engine:
         return RequestOutput(request.request_id, [request.output_token_ids[-1]],
                              new_logprobs=None if lp is None else [lp], prompt_logprobs=prompt_lps,
                              finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                             num_prompt_tokens=request.num_prompt_tokens)
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             queue_time=request.queue_time if first else None)
 
     def _forget(self, request: Request) -> None:
         """A finished request gives back its reference on its adapter's version."""

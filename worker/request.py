@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from worker.ipc.messages import SamplingParams
@@ -44,6 +45,13 @@ class Request:
     num_preemptions: int = 0
     num_adapter_bypasses: int = 0             # times a later request was admitted ahead of this one
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token from the 2nd on
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # set by the scheduler when it first admits the request
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first step that computed any of its tokens; None before that."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     def prompt_logprob_positions(self, start: int, end: int) -> range:
         """Positions in [start, end) whose logits score a not-yet-scored prompt token (position p scores

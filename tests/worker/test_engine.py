@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -227,3 +228,21 @@ def test_prompt_logprobs_score_each_prompt_token_once(llama, chunk):
         assert lp.logprob == pytest.approx(ref[p, tokens[p + 1]].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == ref[p].topk(3).indices.tolist()
         assert lp.rank == int((ref[p] > ref[p, tokens[p + 1]]).sum()) + 1
+
+
+def test_first_output_carries_the_queue_time_from_arrival_to_first_schedule(llama):
+    """One sequence at a time: the request queued behind a whole run of another waits longer than the one
+    admitted at once, at least until the other's first token; only first outputs carry it."""
+    engine = make_engine(llama, max_num_seqs=1)
+    engine.add_request("a", prompt(5), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("b", prompt(5, 1), SamplingParams(max_tokens=3, ignore_eos=True))
+    start = time.monotonic()
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+            if out.request_id == "a" and out.queue_time is not None:
+                a_first = time.monotonic() - start    # a still runs for two more tokens: b is not admitted yet
+    assert [o.queue_time is None for o in outs["a"]] == [False, True, True]
+    assert [o.queue_time is None for o in outs["b"]] == [False, True, True]
+    assert 0 <= outs["a"][0].queue_time < a_first <= outs["b"][0].queue_time

@@ -87,6 +87,7 @@ class RequestOutput(msgspec.Struct, tag=True):
     stop_reason: int | None = None          # the stop token id that ended it, if any
     num_prompt_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None         # seconds from arrival to its first scheduled step; with the first output
 
     @property
     def finished(self) -> bool:

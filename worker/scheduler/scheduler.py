@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import LoRAConfig, SchedulerConfig
@@ -226,6 +227,8 @@ class Scheduler:
                 batch.adapter_loads.append((request.adapter, slot))
         request.block_ids = self.blocks.allocate(num_blocks)
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         bisect.insort(self.running, request, key=policy.running_key)
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
