@@ -41,13 +41,15 @@ class LoRAConfig:
 
     def find_adapter_dir(self, name: str) -> str | None:
         """The directory `root/name` holding adapter_config.json under the first root that has one;
-        `name` is relative and must stay inside the root."""
+        `name` is relative and must stay inside the root, and so must the adapter's files (a symlink out of
+        the root is not followed)."""
         if Path(name).is_absolute():
             return None
-        for root in map(Path, self.lora_dirs):
+        for root in (Path(r).resolve() for r in self.lora_dirs):
             path = (root / name).resolve()
-            if path.is_relative_to(root.resolve()) and path != root.resolve() and \
-                    (path / "adapter_config.json").is_file():
+            files = [(path / f).resolve() for f in ("adapter_config.json", "adapter_model.safetensors")]
+            if (path.is_relative_to(root) and path != root and files[0].is_file()
+                    and all(f.is_relative_to(root) for f in files)):
                 return str(path)
         return None
 

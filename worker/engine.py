@@ -195,6 +195,9 @@ class Engine:
         """Wait for the batch in flight and file its tokens with the scheduler."""
         (batch, handle), self._in_flight = self._in_flight, None
         result = handle.result()
+        sampled = [s.request for s in batch.seqs if s.samples]
+        outputs = [self._fail_nonfinite(sampled[row]) for row in result.nonfinite_rows
+                   if not sampled[row].is_finished]
         for request_id, scored in result.prompt_logprobs.items():
             request = self.scheduler.get_request(request_id)
             if request is not None:
@@ -202,7 +205,7 @@ class Engine:
         sampling = [s.request.request_id for s in batch.seqs if s.samples]
         logprobs = dict(zip(sampling, result.logprobs))
         updated = self.scheduler.tokens_arrived(batch, result.token_ids)
-        outputs = [self._output(request, logprobs) for request in updated]
+        outputs += [self._output(request, logprobs) for request in updated]
         for request in updated:
             if request.is_finished:
                 self._forget(request)
@@ -217,6 +220,15 @@ class Engine:
                 outputs.append(RequestOutput(request.request_id, [], finish_reason="error", error=load.message,
                                              num_prompt_tokens=request.num_prompt_tokens))
         return outputs
+
+    def _fail_nonfinite(self, request: Request) -> RequestOutput:
+        """End a request whose logits held a nan or inf: its token means nothing (corrupt adapter weights,
+        an overflow); the rest of the batch goes on."""
+        self.scheduler.abort_request(request.request_id)
+        self._forget(request)
+        adapter = "" if request.adapter is None else f" with LoRA adapter '{request.adapter.name}'"
+        return RequestOutput(request.request_id, [], finish_reason="error", num_prompt_tokens=request.num_prompt_tokens,
+                             error=f"The model's output for this request{adapter} was not finite (nan or inf).")
 
     def _output(self, request: Request, logprobs: dict) -> RequestOutput:
         if request.finish_reason == "error":   # the scheduler found it can never fit in the KV pool

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import msgspec
 
+SAMPLING_EPS = 1e-5   # a temperature below this samples greedily, as vLLM does
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-request generation settings, with vLLM's names and defaults."""
     max_tokens: int = 16
     min_tokens: int = 0
-    temperature: float = 1.0      # 0: greedy
+    temperature: float = 1.0      # below SAMPLING_EPS (0 included): greedy
     top_p: float = 1.0
     top_k: int = 0                # 0 or -1: disabled
     min_p: float = 0.0
@@ -29,7 +31,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

@@ -20,6 +20,7 @@ from worker.models.hf_config import ArchConfig
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_MAX_SCALING = 65504.0   # float16's largest value: beyond it a delta overflows the serving dtypes
 
 
 class AdapterError(ValueError):
@@ -193,6 +194,15 @@ def _check_config(config: dict, max_lora_rank: int) -> None:
     if config.get("lora_bias"):
         raise AdapterError("lora_bias=true is not supported")
     ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
+        raise AdapterError(f"r and rank_pattern must be positive integers, got {ranks}")
+    alphas = [config.get("lora_alpha", 8), *(config.get("alpha_pattern") or {}).values()]
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in alphas):
+        raise AdapterError(f"lora_alpha and alpha_pattern must be finite numbers, got {alphas}")
+    largest = max(map(abs, alphas)) / (math.sqrt(min(ranks)) if config.get("use_rslora") else min(ranks))
+    if largest > _MAX_SCALING:
+        raise AdapterError(f"the LoRA scaling (lora_alpha / r) can reach {largest:g}; its magnitude must be at most "
+                           f"{_MAX_SCALING:g}")
     if max(ranks) > max_lora_rank:
         raise AdapterError(f"LoRA rank {max(ranks)} is greater than max_lora_rank {max_lora_rank}. "
                            "Raise --max-lora-rank to serve it.")

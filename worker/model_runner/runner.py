@@ -27,6 +27,7 @@ class ModelOutput:
     token_ids: list[int]                   # one per sampling sequence, in batch order
     logprobs: list[TokenLogprob | None]    # likewise
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # request id -> this step's
+    nonfinite_rows: list[int] = field(default_factory=list)   # sampling rows whose logits had a nan or inf
 
 
 @dataclass
@@ -45,8 +46,8 @@ class StepHandle:
 
     def result(self) -> ModelOutput:
         if self._result is None:
-            token_ids, logprobs = self.tokens.wait() if self.tokens is not None else ([], [])
-            self._result = ModelOutput(token_ids, logprobs, self.prompt_logprobs)
+            token_ids, logprobs, nonfinite = self.tokens.wait() if self.tokens is not None else ([], [], [])
+            self._result = ModelOutput(token_ids, logprobs, self.prompt_logprobs, nonfinite)
         return self._result
 
 

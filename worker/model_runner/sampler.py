@@ -13,6 +13,11 @@ import torch
 from worker.ipc.messages import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
+# A repetition penalty near 0 or past float32's range would make penalised logits infinite (and the softmax
+# nan): penalties act as if within [1 / PENALTY_LIMIT, PENALTY_LIMIT], which keeps the order of model-sized
+# logits exact, and penalised logits stay within +-LOGIT_LIMIT, finite after any temperature >= SAMPLING_EPS.
+PENALTY_LIMIT = 1e25
+LOGIT_LIMIT = 1e30
 
 
 @dataclass
@@ -33,6 +38,7 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: torch.Tensor                 # [num_rows] int64, on the sampler's device
     logprobs: "RowLogprobs | None"          # rows that asked for logprobs; None when none did
+    finite: torch.Tensor | None = None      # [num_rows] bool: every logit of the row was finite
 
     def copy_to_host(self) -> "PendingTokens":
         """Start the step's one read-back (tokens and logprobs together); PendingTokens.wait() ends it."""
@@ -45,7 +51,8 @@ class PendingTokens:
 
     def __init__(self, out: SamplerOutput):
         self._out = out
-        tensors = [out.token_ids, *(out.logprobs.tensors if out.logprobs else ())]
+        finite = out.finite if out.finite is not None else torch.ones_like(out.token_ids, dtype=torch.bool)
+        tensors = [out.token_ids, finite, *(out.logprobs.tensors if out.logprobs else ())]
         if out.token_ids.is_cuda:
             self._host = [t.to("cpu", non_blocking=True) for t in tensors]
             self._done = torch.cuda.Event()
@@ -57,13 +64,15 @@ class PendingTokens:
     def device_token_ids(self) -> torch.Tensor:
         return self._out.token_ids
 
-    def wait(self) -> tuple[list[int], list[TokenLogprob | None]]:
+    def wait(self) -> tuple[list[int], list[TokenLogprob | None], list[int]]:
+        """(token ids, logprobs, rows whose logits were not all finite: their tokens are meaningless)."""
         if self._done is not None:
             self._done.synchronize()
         token_ids = self._host[0].tolist()
+        nonfinite = [row for row, ok in enumerate(self._host[1].tolist()) if not ok]
         if self._out.logprobs is None:
-            return token_ids, [None] * len(token_ids)
-        return token_ids, self._out.logprobs.from_host(self._host[1:], len(token_ids))
+            return token_ids, [None] * len(token_ids), nonfinite
+        return token_ids, self._out.logprobs.from_host(self._host[2:], len(token_ids)), nonfinite
 
 
 @dataclass
@@ -104,7 +113,8 @@ class Sampler:
             drawn = self._draw(self.sampling_probs(processed, rows), rows)     # [num_rows]
             greedy = self._to_device([r.params.greedy for r in rows], torch.bool)
             token_ids = torch.where(greedy, token_ids, drawn)
-        return SamplerOutput(token_ids, self._row_logprobs(raw, token_ids, rows))
+        finite = torch.isfinite(raw).all(dim=-1)                              # [num_rows]
+        return SamplerOutput(token_ids, self._row_logprobs(raw, token_ids, rows), finite)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                        prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,11 +149,13 @@ class Sampler:
                               accumulate=True)
         seen = (self._token_counts([r.prompt_token_ids for r in rows]) > 0) | (counts > 0)
         repetition = self._to_device([r.params.repetition_penalty for r in rows], torch.float32)
+        repetition = repetition.clamp(1 / PENALTY_LIMIT, PENALTY_LIMIT)
         frequency = self._to_device([r.params.frequency_penalty for r in rows], torch.float32)
         presence = self._to_device([r.params.presence_penalty for r in rows], torch.float32)
         repetition = torch.where(seen, repetition[:, None], 1.0)                  # [n, V]
         logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-        return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+        logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+        return logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Rows short of min_tokens cannot end: their stop ids (and eos unless ignore_eos) get -inf."""
@@ -169,6 +181,7 @@ class Sampler:
         probs = sorted_logits.masked_fill(below_k, float("-inf")).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs          # probability of the better tokens
         drop_sorted = below_k | ((mass_before >= top_p) & (top_p < 1.0))
+        drop_sorted[:, 0] = False        # a top_p that rounds to 0 in float32 still keeps the best token
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)          # vocab order
         return logits.masked_fill(drop, float("-inf"))
 

@@ -34,12 +34,13 @@ class InlineExecutor(concurrent.futures.Executor):
 
 def make_engine(model_dir, adapters: dict[str, str] | None = None, *, overlap: bool = True, max_loras: int = 2,
                 max_cpu_loras: int | None = None, policy: str = "lru", lora_dirs=(), threads: bool = False,
-                max_lora_rank: int = 16, read_threads: int = 4, **sched) -> Engine:
+                max_lora_rank: int = 16, read_threads: int = 4, async_scheduling: bool = True, **sched) -> Engine:
     lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                       enable_lora_overlap_loading=overlap, lora_eviction_policy=policy, lora_dirs=tuple(lora_dirs),
                       lora_read_threads=read_threads)
     engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=256),
-                                 lora=lora, scheduler=SchedulerConfig(**sched), device="cpu"))
+                                 lora=lora, scheduler=SchedulerConfig(**sched), device="cpu",
+                                 async_scheduling=async_scheduling))
     if not threads:
         engine.loads.loader.executor = InlineExecutor()
     for name, path in (adapters or {}).items():

@@ -55,6 +55,15 @@ def test_scalings_follow_peft_rules(hf_models, spec):
     ({"r": 32}, "LoRA rank 32 is greater than max_lora_rank 16"),
     ({"target_modules": ["q_proj", "c_attn"]}, "'c_attn'"),
     ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+    ({"r": -4}, "r and rank_pattern must be positive integers, got [-4"),
+    ({"r": 0}, "r and rank_pattern must be positive integers, got [0"),
+    ({"r": "four"}, "r and rank_pattern must be positive integers, got ['four'"),
+    ({"r": 8.5}, "r and rank_pattern must be positive integers, got [8.5"),
+    ({"rank_pattern": {"q_proj": True}}, "r and rank_pattern must be positive integers"),
+    ({"lora_alpha": 1e308}, "(lora_alpha / r) can reach 2.5e+307; its magnitude must be at most 65504"),
+    ({"lora_alpha": "16"}, "lora_alpha and alpha_pattern must be finite numbers, got ['16'"),
+    ({"lora_alpha": float("nan")}, "lora_alpha and alpha_pattern must be finite numbers, got [nan"),
+    ({"alpha_pattern": {"q_proj": float("inf")}}, "lora_alpha and alpha_pattern must be finite numbers"),
 ])
 def test_unsupported_config_is_refused_by_name(engine, hf_models, tmp_path, change, message):
     path = _copy_adapter(hf_models, tmp_path)
@@ -63,6 +72,19 @@ def test_unsupported_config_is_refused_by_name(engine, hf_models, tmp_path, chan
         engine.add_adapter("bad", str(path))
     assert message in str(err.value)
     assert "bad" not in engine.adapters.refs
+
+
+def test_files_linked_from_outside_a_lora_dir_are_not_found_there(hf_models, tmp_path):
+    """A name under --lora-dir resolves only when the directory and its files lie inside the root."""
+    root, outside = tmp_path / "root", _copy_adapter(hf_models, tmp_path)
+    (root / "linked-files").mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (root / "linked-files" / name).symlink_to(outside / name)
+    (root / "linked-dir").symlink_to(outside)
+    shutil.copytree(outside, root / "inside")
+    config = LoRAConfig(lora_dirs=(str(root),))
+    assert config.find_adapter_dir("inside") == str(root / "inside")
+    assert config.find_adapter_dir("linked-files") is None and config.find_adapter_dir("linked-dir") is None
 
 
 def test_tensor_of_wrong_shape_is_refused(engine, hf_models, tmp_path):

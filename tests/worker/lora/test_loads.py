@@ -8,6 +8,8 @@ import shutil
 import threading
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from tests.worker.lora.engine_runs import alone, greedy, make_engine, prompt, residency, run, tokens
 from worker.engine import Engine
@@ -239,3 +241,22 @@ def test_adapter_that_cannot_be_read_ends_its_requests_with_an_error(llama, vari
     assert "Loading LoRA adapter 'doomed' failed" in outs["x"][-1].error
     assert tokens(outs["base"]) == alone(llama, None, prompt(4, 16), 3)
     assert engine.lora_stats().gpu_slots_used == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_adapter_with_nan_weights_ends_its_requests_with_an_error_and_the_rest_run_on(llama, variants, tmp_path,
+                                                                                     async_scheduling):
+    path = tmp_path / "nan"
+    shutil.copytree(variants["v1"], path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    save_file({k: torch.full_like(t, float("nan")) if "lora_B" in k else t for k, t in tensors.items()},
+              str(path / "adapter_model.safetensors"))
+    engine = make_engine(llama, {"nan": str(path), "v2": variants["v2"]}, async_scheduling=async_scheduling)
+    outs = run(engine, {0: [("x", prompt(5, 20), greedy(6), "nan"), ("y", prompt(4, 21), greedy(6), "v2"),
+                            ("base", prompt(6, 22), greedy(6), None)]})
+    assert tokens(outs["x"]) == [] and outs["x"][-1].finish_reason == "error"
+    assert outs["x"][-1].error == ("The model's output for this request with LoRA adapter 'nan' was not finite "
+                                   "(nan or inf).")
+    assert tokens(outs["y"]) == alone(llama, variants["v2"], prompt(4, 21), 6)
+    assert tokens(outs["base"]) == alone(llama, None, prompt(6, 22), 6)
+    assert not engine.has_unfinished() and engine.num_running == 0

@@ -292,7 +292,7 @@ def test_logprobs_are_raw_log_softmax_with_exact_ranks(dtype, batch_size, k, tie
     params = [dict(), dict(temperature=0.0), dict(temperature=0.5, top_k=4, repetition_penalty=1.5),
               dict(min_p=0.1, frequency_penalty=1.0)]
     rows = [_row([1, 2], [2, 3], logprobs=k, **params[i % 4]) for i in range(batch_size)]
-    token_ids, logprobs = Sampler(vocab)(logits, rows).copy_to_host().wait()
+    token_ids, logprobs, _ = Sampler(vocab)(logits, rows).copy_to_host().wait()
     for i, (token, entry) in enumerate(zip(token_ids, logprobs, strict=True)):
         logprob, rank, top_ids, top_lps = _ref_logprob(logits[i], token, k)
         assert entry.token_id == token
@@ -305,7 +305,7 @@ def test_logprobs_are_raw_log_softmax_with_exact_ranks(dtype, batch_size, k, tie
 def test_logprobs_per_row_k_and_none():
     logits = _logits(1, 16).repeat(3, 1)
     rows = [_row(logprobs=None), _row(logprobs=2), _row(logprobs=5)]
-    _, logprobs = Sampler(16)(logits, rows).copy_to_host().wait()
+    _, logprobs, _ = Sampler(16)(logits, rows).copy_to_host().wait()
     assert logprobs[0] is None
     assert [len(e.top) for e in logprobs[1:]] == [2, 5]
     assert logprobs[1].top == logprobs[2].top[:2]
@@ -329,3 +329,57 @@ def test_compute_logprobs_scores_given_tokens(dtype, ties):
         assert abs(entry.logprob - logprob) < 1e-5
         assert [t for t, _ in entry.top] == top_ids
         assert all(abs(a - b) < 1e-5 for (_, a), b in zip(entry.top, top_lps))
+
+
+# ---- extreme accepted values give a sensible distribution ----
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-7, 9.9e-6])
+def test_temperature_below_sampling_eps_samples_greedily(temperature):
+    logits = _logits(4, 40, seed=3)
+    sampler = Sampler(40, seed=0)
+    rows = [_row(temperature=temperature, seed=s) for s in (None, 1, 2, 3)]
+    assert all(r.params.greedy for r in rows)
+    assert sampler(logits, rows).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-9])
+def test_top_p_that_rounds_to_zero_keeps_the_best_token(top_p):
+    logits = _logits(3, 40, seed=4)
+    sampler = Sampler(40, seed=0)
+    rows = [_row(top_p=top_p, seed=s) for s in (None, 5, 6)]
+    probs = sampler.sampling_probs(logits, rows)
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(dim=-1), 40).float())
+    assert sampler(logits, rows).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-45, 1e300, float(torch.finfo(torch.float32).max) * 10])
+@pytest.mark.parametrize("temperature", [1.0, 1e-5])
+def test_extreme_repetition_penalties_keep_a_finite_distribution_of_the_expected_tokens(penalty, temperature):
+    """A penalty near 0 makes the seen tokens with positive logits overwhelm the rest: every row, greedy or
+    drawn, takes the best of them. A huge one bans the seen tokens with negative logits."""
+    logits = _logits(1, 40, seed=5)
+    seen = [int(i) for i in logits[0].argsort()[::4]]       # a spread of seen tokens, good and bad
+    row = _row(prompt=seen, repetition_penalty=penalty, temperature=temperature, seed=7)
+    sampler = Sampler(40, seed=0)
+    processed = sampler.process_logits(logits, [row])
+    probs = sampler.sampling_probs(processed, [row])
+    assert torch.isfinite(processed).all() and torch.isfinite(probs).all()
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-5)
+    positive_seen = [t for t in seen if logits[0, t] > 0]
+    if penalty < 1:
+        best = max(positive_seen, key=lambda t: logits[0, t])
+        assert probs[0, best].item() == 1.0
+        assert all(sampler(logits, [_row(prompt=seen, repetition_penalty=penalty, temperature=temperature,
+                                         seed=s)]).token_ids.item() == best for s in range(8))
+    else:
+        negative_seen = [t for t in seen if logits[0, t] < 0]
+        assert probs[0, negative_seen].max().item() == 0.0
+
+
+def test_rows_with_a_nan_or_inf_logit_are_reported_with_the_tokens():
+    logits = _logits(4, 16, seed=8)
+    logits[1, 3], logits[3, 0] = float("nan"), float("inf")
+    rows = [_row(temperature=0.0), _row(temperature=0.0), _row(temperature=0.8, seed=1), _row(logprobs=2)]
+    token_ids, logprobs, nonfinite = Sampler(16)(logits, rows).copy_to_host().wait()
+    assert nonfinite == [1, 3] and len(token_ids) == 4
+    assert token_ids[0] == logits[0].argmax().item() and logprobs[3] is not None
