@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     # kernel, whichever directories a run names and in whatever order
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.hf_fixtures import build_hf_model
+from tests.hf_fixtures import build_hf_model, build_hf_moe_model
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +21,11 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
     with the adapters of tests.hf_fixtures.ADAPTERS beside it."""
     root = tmp_path_factory.mktemp("hf")
     return {arch: build_hf_model(arch, root) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def hf_moe_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Qwen3-MoE (norm_topk_prob, q/k norm), Mixtral and Qwen2-MoE (shared expert, qkv bias, a dense layer) checkpoints,
+    each with the attention-only adapters of tests.hf_fixtures.MOE_ADAPTERS beside it."""
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {arch: build_hf_moe_model(arch, root) for arch in ("qwen3_moe", "mixtral", "qwen2_moe")}

@@ -78,3 +78,49 @@ def build_hf_model(arch: str, root: Path) -> Path:
 
 def adapter_dir(model_dir: Path, name: str) -> Path:
     return model_dir.parent / f"{model_dir.name}-{name}"
+
+
+MOE_ADAPTERS = (
+    FixtureAdapter("r4-qv", 4, ("q_proj", "v_proj"), alpha=8),
+    FixtureAdapter("r8-attn", 8, ("q_proj", "k_proj", "v_proj", "o_proj"), alpha=16, rank_pattern={"o_proj": 4},
+                   alpha_pattern={"k_proj": 32}),
+)
+
+
+def _hf_moe_config(arch: str):
+    """E=4 experts, top-2, hidden 64, expert intermediate 32, 2 layers; Qwen2-MoE's layer 1 stays dense."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0,
+                  initializer_range=0.1, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32, intermediate_size=96,
+                              norm_topk_prob=True, head_dim=24, tie_word_embeddings=False)
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, intermediate_size=32)
+    return Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32, intermediate_size=96,
+                          shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1])
+
+
+def build_hf_moe_model(arch: str, root: Path) -> Path:
+    """A tiny random MoE checkpoint as transformers saves it, with MOE_ADAPTERS (attention only) beside it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_moe_config(arch), dtype=torch.float32)
+    _randomize_extras(model, torch.Generator().manual_seed(1))
+    model_dir = root / arch
+    model.save_pretrained(model_dir, safe_serialization=True)
+    for i, spec in enumerate(MOE_ADAPTERS):
+        torch.manual_seed(100 + i)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                         rank_pattern=spec.rank_pattern or {}, alpha_pattern=spec.alpha_pattern or {},
+                         init_lora_weights=False, lora_dropout=0.0)
+        peft_model = get_peft_model(base, cfg)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(20.0)
+        peft_model.save_pretrained(root / f"{arch}-{spec.name}")
+    return model_dir

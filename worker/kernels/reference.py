@@ -5,6 +5,8 @@ metadata and must never run inside a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -132,3 +134,140 @@ def tile_map(indptr: list[int], num_groups: int, block: int, num_tiles: int) -> 
     into block-row tiles, numbered group after group; (group, first row) of each tile, (-1, 0) past the last."""
     tiles = [(i, row) for i in range(num_groups) for row in range(indptr[i], indptr[i + 1], block)]
     return (tiles + [(-1, 0)] * num_tiles)[:num_tiles]
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics (Hugging Face's routing for Qwen2-MoE, Qwen3-MoE and Mixtral):
+        probs = softmax(float32(router_logits[t]))            over the experts
+        topk_ids[t], topk_weights[t] = the top_k largest probs, largest first (torch.topk's order and ties)
+        if renormalize: topk_weights[t] /= sum(topk_weights[t])
+    The weights stay float32; Qwen casts them to the hidden dtype before the weighted sum, Mixtral does not.
+    The GPU runs this reference too until the Triton routing kernel exists.
+
+    router_logits: [num_tokens, num_experts] -> (topk_weights [num_tokens, top_k] float32,
+    topk_ids [num_tokens, top_k] int64)
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)      # [num_tokens, num_experts]
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    """Semantics:
+        for each token t and choice j, e = topk_ids[t, j]:
+            g, u = split(x[t] @ gate_up[e].T, 2)                  # gate first, then up: [2 * I] -> [I], [I]
+            out[t] += cast(topk_weights[t, j] * ((silu(g) * u) @ down[e].T), x.dtype)
+    The products are formed in the promoted dtype of the weights and x (float32 weights keep Mixtral's
+    float32 products); experts are visited in ascending order, each adding its tokens' rows. Data-dependent
+    shapes (the tokens of each expert): it runs eagerly, never in a CUDA graph; the GPU runs it too until
+    the Triton grouped-GEMM kernels exist.
+
+    x: [num_tokens, hidden]; gate_up: [num_experts, 2 * I, hidden]; down: [num_experts, hidden, I];
+    topk_weights: [num_tokens, top_k]; topk_ids: [num_tokens, top_k] -> out: [num_tokens, hidden]
+    """
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():                        # ascending
+        tokens, choice = torch.where(topk_ids == e)             # [n], [n]
+        gate, up = (x[tokens] @ gate_up[e].T).chunk(2, dim=-1)  # [n, I] each
+        y = (torch.nn.functional.silu(gate) * up) @ down[e].T   # [n, hidden]
+        out.index_add_(0, tokens, (y * topk_weights[tokens, choice, None]).to(x.dtype))
+    return out
+
+
+@dataclass
+class MoELoRASlots:
+    """Expert LoRA weights of every slot, each adapter at its own rank (R: the slots' largest rank).
+    Metadata is host-side, as the other references read it."""
+    gate_up_a: torch.Tensor      # [num_slots, E, 2 * R, hidden]: gate rows [0, r_gate), up rows [R, R + r_up)
+    gate_up_b: torch.Tensor      # [num_slots, E, 2 * I, R]: gate rows [0, I), up rows [I, 2I)
+    down_a: torch.Tensor         # [num_slots, E, R, I]
+    down_b: torch.Tensor         # [num_slots, E, hidden, R]
+    ranks: list[list[int]]       # [num_slots][3]: gate, up, down ranks; 0 = that projection not adapted
+    scalings: torch.Tensor       # [num_slots, 3] float32: gate, up, down
+    shared_outer: list[bool]     # [num_slots]: gate_up_a[w, 0] and down_b[w, 0] serve every expert
+
+
+def moe_lora_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, token_slots: list[int], lora: MoELoRASlots) -> torch.Tensor:
+    """Semantics (moe_experts with LoRA added where PEFT adds it, inside each expert):
+        for each token t and choice j, e = topk_ids[t, j], w = token_slots[t]:
+            h = x[t] @ gate_up[e].T                                                   # [2 * I]
+            if w >= 0, for slice s in (gate 0, up 1), r = ranks[w][s], ea = 0 if shared_outer[w] else e:
+                h[s*I:(s+1)*I] = round(h[s*I:(s+1)*I] + scalings[w, s] *
+                                       gate_up_b[w, e, s*I:(s+1)*I, :r] @ (gate_up_a[w, ea, s*R:s*R+r] @ x[t]))
+            g = silu(h[:I]) * h[I:]                                                    # [I]
+            y = g @ down[e].T                                                          # [hidden]
+            if w >= 0, r = ranks[w][2], eb = 0 if shared_outer[w] else e:
+                y = round(y + scalings[w, 2] * down_b[w, eb, :, :r] @ (down_a[w, e, :r] @ g))
+            out[t] += cast(topk_weights[t, j] * y, x.dtype)
+    The LoRA products are float32, each rounded once into h or y (x's dtype): the gate_up delta before the
+    activation, the down delta before the routing-weighted sum, as PEFT's merged expert weights place them.
+    A shared-outer slot computes x @ gate_up_a[w, 0] once per token, not once per (token, expert); rank 0
+    leaves a projection alone; rows with w = -1 are exactly moe_experts. Experts are visited in ascending
+    order, each adding its tokens' rows. Data-dependent shapes: eager only, never inside a CUDA graph.
+
+    x: [num_tokens, hidden]; gate_up: [E, 2 * I, hidden]; down: [E, hidden, I]; topk_weights: [num_tokens,
+    top_k] float32; topk_ids: [num_tokens, top_k]; token_slots: [num_tokens] -> out: [num_tokens, hidden]
+    """
+    slots = torch.tensor(token_slots, dtype=torch.long, device=x.device)     # [num_tokens]
+    shared_xa = _shared_outer_shrink(x, slots, lora)                         # [num_tokens, 2 * R] float32
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():                                     # ascending
+        tokens, choice = torch.where(topk_ids == e)                          # [n], [n]
+        h = x[tokens] @ gate_up[e].T                                         # [n, 2 * I]
+        h = _moe_lora_gate_up(h, x[tokens], shared_xa[tokens], slots[tokens], e, lora)
+        gate, up = h.chunk(2, dim=-1)                                        # [n, I] each
+        g = torch.nn.functional.silu(gate) * up
+        y = _moe_lora_down(g @ down[e].T, g, slots[tokens], e, lora)         # [n, hidden]
+        out.index_add_(0, tokens, (y * topk_weights[tokens, choice, None]).to(x.dtype))
+    return out
+
+
+def _shared_outer_shrink(x: torch.Tensor, slots: torch.Tensor, lora: MoELoRASlots) -> torch.Tensor:
+    """x @ gate_up_a[w, 0].T for every token of a shared-outer slot w, once per token; other rows 0.
+    x: [num_tokens, hidden] -> [num_tokens, 2 * R] float32"""
+    xa = torch.zeros(x.shape[0], lora.gate_up_a.shape[2], device=x.device)
+    for w in slots.unique().tolist():
+        if w >= 0 and lora.shared_outer[w]:
+            rows = slots == w
+            xa[rows] = x[rows].float() @ lora.gate_up_a[w, 0].float().T
+    return xa
+
+
+def _moe_lora_gate_up(h: torch.Tensor, x: torch.Tensor, shared_xa: torch.Tensor, slots: torch.Tensor, e: int,
+                      lora: MoELoRASlots) -> torch.Tensor:
+    """h plus each slot's gate and up deltas for expert e. h: [n, 2 * I]; x: [n, hidden]; slots: [n]."""
+    max_rank, inter = lora.down_a.shape[2], h.shape[1] // 2
+    delta = torch.zeros(h.shape, dtype=torch.float32, device=h.device)      # [n, 2 * I]
+    for w in slots.unique().tolist():
+        if w < 0:
+            continue
+        rows = slots == w
+        for s in range(2):
+            r = lora.ranks[w][s]
+            if r == 0:
+                continue
+            a_rows, out_rows = slice(s * max_rank, s * max_rank + r), slice(s * inter, (s + 1) * inter)
+            if lora.shared_outer[w]:
+                xa = shared_xa[rows, a_rows]                                  # [n_w, r]
+            else:
+                xa = x[rows].float() @ lora.gate_up_a[w, e, a_rows].float().T
+            delta[rows, out_rows] = lora.scalings[w, s] * (xa @ lora.gate_up_b[w, e, out_rows, :r].float().T)
+    return (h.float() + delta).to(h.dtype)
+
+
+def _moe_lora_down(y: torch.Tensor, g: torch.Tensor, slots: torch.Tensor, e: int,
+                   lora: MoELoRASlots) -> torch.Tensor:
+    """y plus each slot's down delta for expert e. y: [n, hidden]; g: [n, I] (silu(gate) * up); slots: [n]."""
+    delta = torch.zeros(y.shape, dtype=torch.float32, device=y.device)      # [n, hidden]
+    for w in slots.unique().tolist():
+        r = lora.ranks[w][2] if w >= 0 else 0
+        if r == 0:
+            continue
+        rows, eb = slots == w, 0 if lora.shared_outer[w] else e
+        ga = g[rows].float() @ lora.down_a[w, e, :r].float().T              # [n_w, r]
+        delta[rows] = lora.scalings[w, 2] * (ga @ lora.down_b[w, eb, :, :r].float().T)
+    return (y.float() + delta).to(y.dtype)

@@ -1,9 +1,6 @@
 """PEFT LoRA adapters: validate against the base model (from the file header alone), read per-module weights.
 
-adapter_model.safetensors is read with plain file I/O: the header is JSON, the data one buffer that a
-single `split` cuts into every tensor's bytes. Reads run on loader threads beside a busy step loop, and
-every tensor operation releases and retakes the GIL, so the reading path makes a handful of them, not
-one per tensor.
+The tensor file is read by lora/safetensors_file.py; expert (MoE) tensors are lora/formats.py's.
 """
 from __future__ import annotations
 
@@ -15,20 +12,13 @@ from pathlib import Path
 
 import torch
 
+from worker.lora.errors import AdapterError
+from worker.lora.safetensors_file import read_data, read_header, tensor_bytes, tensor_file
 from worker.models.hf_config import ArchConfig
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _MAX_SCALING = 65504.0   # float16's largest value: beyond it a delta overflows the serving dtypes
-
-
-class AdapterError(ValueError):
-    """A user-facing adapter problem; `status_code` is the HTTP status the gateway should answer with."""
-
-    def __init__(self, message: str, status_code: int = 400):
-        super().__init__(message)
-        self.status_code = status_code
 
 
 @dataclass(frozen=True)
@@ -104,8 +94,8 @@ def inspect_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank
     """Check that a PEFT directory fits the base model from its config and tensor header, reading no
     weights; raises AdapterError naming what is wrong."""
     path = Path(path)
-    _check_config(_read_config(path), max_lora_rank)
-    header, _ = _read_header(path)
+    _check_config(read_config(path), max_lora_rank)
+    header, _ = read_header(path)
     return _spec(name, path, header, _check_modules(name, path, header, arch, max_lora_rank))
 
 
@@ -114,7 +104,7 @@ def read_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: i
     """Read and check a PEFT directory, its weights converted to `dtype`; raises AdapterError."""
     path = Path(path)
     header, data_start, checked, scalings = _check_directory(name, path, arch, max_lora_rank)
-    tensors = _tensor_bytes(header, _read_data(path, data_start), dtype)
+    tensors = tensor_bytes(header, read_data(path, data_start), dtype)
     modules = {}
     for (layer, target), keys in checked.items():
         (rank, fan_in), (fan_out, _) = header[keys["A"]][1], header[keys["B"]][1]
@@ -134,20 +124,20 @@ def locate_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank:
         modules[key] = ModuleSource((data_start + a_begin, data_start + a_end),
                                     (data_start + b_begin, data_start + b_end),
                                     a_shape[0], a_shape[1], b_shape[0], scalings[key])
-    return AdapterSource(_spec(name, path, header, checked), _tensor_file(path),
+    return AdapterSource(_spec(name, path, header, checked), tensor_file(path),
                          {entry[0] for entry in header.values()}, modules)
 
 
 def _check_directory(name: str, path: Path, arch: ArchConfig, max_lora_rank: int) -> tuple[dict, int, dict, dict]:
     """The checks of read_adapter: (header, data start, (layer, target) -> tensor keys, -> scaling)."""
-    config = _read_config(path)
+    config = read_config(path)
     _check_config(config, max_lora_rank)
-    header, data_start = _read_header(path)
+    header, data_start = read_header(path)
     checked = _check_modules(name, path, header, arch, max_lora_rank)
     scalings = {}
     for (layer, target), keys in checked.items():
         block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        scalings[(layer, target)] = _scaling(config, f"model.layers.{layer}.{block}.{target}",
+        scalings[(layer, target)] = module_scaling(config, f"model.layers.{layer}.{block}.{target}",
                                              header[keys["A"]][1][0])
     return header, data_start, checked, scalings
 
@@ -168,7 +158,7 @@ def _spec(name: str, path: Path, header: dict, modules: dict) -> AdapterSpec:
     return AdapterSpec(name, str(path), max(ranks), targets)
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
     cfg_file = path / "adapter_config.json"
     if not path.is_dir():
         raise AdapterError(f"No adapter found at {path}: the directory does not exist", status_code=404)
@@ -214,90 +204,14 @@ def _check_config(config: dict, max_lora_rank: int) -> None:
                                f"supported target modules: {list(SUPPORTED_TARGETS)}")
 
 
-def _tensor_file(path: Path) -> Path:
-    file = path / "adapter_model.safetensors"
-    if not file.is_file():
-        if (path / "adapter_model.bin").is_file():
-            raise AdapterError(f"{path} holds adapter_model.bin; only adapter_model.safetensors is supported")
-        raise AdapterError(f"No adapter found at {path}: adapter_model.safetensors is missing", status_code=404)
-    return file
-
-
-def _read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], int]:
-    """key -> (dtype, shape, begin, end) of adapter_model.safetensors (byte offsets into its data
-    section), and the file offset where that section starts."""
-    file = _tensor_file(path)
-    try:
-        with open(file, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            size = f.seek(0, 2) - 8 - length
-            if size < 0:
-                raise ValueError(f"a header of {length} bytes does not fit the file")
-            f.seek(8)
-            entries = json.loads(f.read(length))
-        header = {}
-        for key, entry in entries.items():
-            if key == "__metadata__":
-                continue
-            if entry["dtype"] not in _DTYPES:
-                raise ValueError(f"tensor {key!r} is {entry['dtype']}; LoRA weights must be F32, F16 or BF16")
-            dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"]
-            if not 0 <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"tensor {key!r} lies outside the data or does not match its shape")
-            header[key] = (dtype, shape, begin, end)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise AdapterError(f"adapter_model.safetensors in {path} is unreadable: {e!r}") from e
-    return header, 8 + length
-
-
-def _read_data(path: Path, start: int) -> torch.Tensor:
-    """The data section of adapter_model.safetensors: [bytes] uint8, read in one call."""
-    try:
-        with open(_tensor_file(path), "rb") as f:
-            data = torch.empty(f.seek(0, 2) - start, dtype=torch.uint8)
-            f.seek(start)
-            if f.readinto(data.numpy()) != len(data):
-                raise OSError("the file ended early")
-    except OSError as e:
-        raise AdapterError(f"adapter_model.safetensors in {path} is unreadable: {e!r}") from e
-    return data
-
-
-def _tensor_bytes(header: dict, data: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor's bytes converted to `dtype`, as views of one buffer cut by one split.
-
-    The whole data section is converted at once when its tensors share a dtype, so byte offsets scale
-    by the ratio of item sizes: tensors [A: F32 0..16, B: F32 16..48] as BF16 sit at [0..8, 8..24].
-    """
-    sources = {entry[0] for entry in header.values()}
-    if len(sources) > 1:       # a file mixing dtypes: convert tensor by tensor
-        return {key: data[begin:end].clone().view(src).to(dtype).view(torch.uint8)   # clone: aligned
-                for key, (src, _, begin, end) in header.items()}
-    scale = 1.0
-    if sources and sources != {dtype}:
-        (src,) = sources
-        used = max(end for *_, end in header.values())
-        data, scale = data[:used].view(src).to(dtype).view(torch.uint8), dtype.itemsize / src.itemsize
-    order = sorted(header, key=lambda key: header[key][2])
-    cuts, pieces, offset = [], {}, 0
-    for key in order:
-        begin, end = int(header[key][2] * scale), int(header[key][3] * scale)
-        if begin > offset:
-            cuts.append(begin - offset)       # a gap between tensors
-        pieces[key] = len(cuts)
-        cuts.append(end - begin)
-        offset = end
-    cuts.append(len(data) - offset)
-    parts = data.split(cuts)
-    return {key: parts[i] for key, i in pieces.items()}
-
-
 def _check_modules(name: str, path: Path, header: dict, arch: ArchConfig,
                    max_lora_rank: int) -> dict[tuple[int, str], dict[str, str]]:
     """(layer, target) -> {"A": key, "B": key}, in key order, once every module has both matrices of
     shapes that fit the base model."""
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for key in header:
+        if arch.is_moe:
+            _check_moe_key(key)
         m = _KEY.search(key)
         if m is None:
             raise AdapterError(f"adapter tensor {key!r} is not supported: only lora_A/lora_B weights of "
@@ -316,6 +230,16 @@ def _check_modules(name: str, path: Path, header: dict, arch: ArchConfig,
     if not pairs:
         raise AdapterError(f"adapter '{name}': {path} holds no LoRA weights for {', '.join(SUPPORTED_TARGETS)}")
     return dict(sorted(pairs.items()))
+
+
+def _check_moe_key(key: str) -> None:
+    """On a mixture-of-experts base model only attention LoRA is served for now: refuse the rest by name."""
+    if ".experts." in key or "block_sparse_moe" in key:
+        raise AdapterError(f"adapter tensor {key!r} targets the experts: expert LoRA is not supported yet")
+    if ".mlp." in key:
+        raise AdapterError(f"adapter tensor {key!r} targets the MLP of a mixture-of-experts model (router, shared "
+                           "expert or dense layer), which LoRA does not support yet; only q_proj, k_proj, v_proj "
+                           "and o_proj are")
 
 
 def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
@@ -339,7 +263,7 @@ def _check_shapes(name: str, layer: int, target: str, a: tuple[int, ...], b: tup
                            "Raise --max-lora-rank to serve it.")
 
 
-def _scaling(config: dict, module_key: str, rank: int) -> float:
+def module_scaling(config: dict, module_key: str, rank: int) -> float:
     """PEFT's rule: alpha (alpha_pattern overrides lora_alpha) / r, or / sqrt(r) with use_rslora."""
     alpha = config.get("lora_alpha", 8)
     for pattern, value in (config.get("alpha_pattern") or {}).items():

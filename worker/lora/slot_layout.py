@@ -26,7 +26,6 @@ from worker.lora.file_reads import read_in_parts
 from worker.lora.host_cache import HostAdapter
 from worker.models.hf_config import ArchConfig
 
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
 
 
@@ -54,16 +53,15 @@ class SlotLayout:
         item = dtype.itemsize
         self.regions: dict[tuple[int, str], _Region] = {}
         offset = 0
-        for layer in range(model.cfg.num_layers):
-            for name in _PROJECTIONS:
-                proj = model.projection(layer, name)
-                n = len(proj.output_sizes)
-                a_shape, b_shape = (n * max_rank, proj.in_features), (proj.slice_offsets[-1], max_rank)
-                b_offset = offset + _aligned(a_shape[0] * a_shape[1] * item)
-                s_offset = b_offset + _aligned(b_shape[0] * b_shape[1] * item)
-                self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape,
-                                                      tuple(proj.slice_offsets))
-                offset = s_offset + _aligned(4 * n)
+        for layer, name in model.lora_projections():      # the model says which projections take LoRA
+            proj = model.projection(layer, name)
+            n = len(proj.output_sizes)
+            a_shape, b_shape = (n * max_rank, proj.in_features), (proj.slice_offsets[-1], max_rank)
+            b_offset = offset + _aligned(a_shape[0] * a_shape[1] * item)
+            s_offset = b_offset + _aligned(b_shape[0] * b_shape[1] * item)
+            self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape,
+                                                  tuple(proj.slice_offsets))
+            offset = s_offset + _aligned(4 * n)
         self.num_bytes = offset
 
     def views(self, slots: torch.Tensor) -> dict[tuple[int, str], LoRAWeights]:

@@ -70,7 +70,10 @@ class ModelRunner:
         if device.type == "cuda":
             self._warm_up(config.cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80),
                           sched.max_num_seqs)
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and not config.enforce_eager and arch.is_moe:
+            logger.info("%s runs eagerly (as with --enforce-eager): its MoE layers have no graph-safe kernels yet",
+                        arch.architecture)
+        elif device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
                                                 sched.max_num_seqs,
                                                 min(config.mixed_graph_max_tokens, sched.max_num_batched_tokens))

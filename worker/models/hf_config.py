@@ -32,6 +32,23 @@ class ArchConfig:
     qk_norm: bool
     dtype: torch.dtype             # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
+    # mixture of experts; the defaults mean a dense model
+    num_experts: int = 0                   # routed experts per sparse layer (0: dense)
+    num_experts_per_tok: int = 0           # top-k
+    moe_intermediate_size: int = 0         # one expert's intermediate size
+    norm_topk_prob: bool = False           # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE's shared expert (0: none), gated by a sigmoid
+    decoder_sparse_step: int = 1           # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether `layer` has a sparse MoE block (else a dense MLP of intermediate_size), as HF decides it."""
+        return (self.is_moe and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -62,13 +79,33 @@ class ArchConfig:
             rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
-            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
+            qkv_bias=attention_bias or bool(c.get("qkv_bias", arch in _QKV_BIAS)),
+            o_bias=attention_bias and arch not in _QKV_BIAS,
             mlp_bias=bool(c.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=_DTYPES.get(str(c.get("dtype") or c.get("torch_dtype") or "float32"), torch.float32),
             eos_token_ids=eos_ids,
+            **_moe(c),
         )
+
+
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")    # q/k/v biases without attention_bias
+
+
+def _moe(c: dict) -> dict:
+    """The MoE fields of ArchConfig; {} for a dense model. Qwen names the expert count `num_experts`,
+    Mixtral (and Qwen3-MoE saved by transformers 5) `num_local_experts`; Mixtral's experts are
+    `intermediate_size` wide and its routing weights are always renormalised."""
+    num_experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    if not num_experts:
+        return {}
+    mixtral = (c.get("architectures") or [""])[0] == "MixtralForCausalLM"
+    return dict(num_experts=num_experts, num_experts_per_tok=c["num_experts_per_tok"],
+                moe_intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+                norm_topk_prob=mixtral or bool(c.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=c.get("shared_expert_intermediate_size") or 0,
+                decoder_sparse_step=c.get("decoder_sparse_step") or 1,
+                mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
 
 
 def _rope(c: dict) -> tuple[float, dict | None]:

@@ -47,9 +47,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices, intermediate_size: int = 0):
         super().__init__()
-        i = cfg.intermediate_size
+        i = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [i, i], cfg.mlp_bias, dtype, kernels)
         self.down_proj = Linear(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels)
         self.kernels = kernels
@@ -67,10 +67,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices):
+    """Attention, then `mlp` (called as mlp(x, batch) -> (y, deferred LoRA delta or None)): a LlamaMLP or a
+    sparse MoE block (layers/moe.py)."""
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices,
+                 mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, dtype, kernels)
-        self.mlp = LlamaMLP(cfg, dtype, kernels)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
@@ -104,10 +108,20 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, kernels) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, kernels, self.build_mlp(i, dtype, kernels))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype,
                               self.embed_tokens if cfg.tie_word_embeddings else None, kernels)
+
+    def build_mlp(self, layer: int, dtype: torch.dtype, kernels: KernelChoices) -> nn.Module:
+        """The MLP of decoder layer `layer` (MoE models override it)."""
+        return LlamaMLP(self.cfg, dtype, kernels)
+
+    def lora_projections(self) -> list[tuple[int, str]]:
+        """The (layer, fused projection) pairs that take LoRA, in slot-layout order (lora/slot_layout.py)."""
+        return [(layer, name) for layer in range(self.cfg.num_layers)
+                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
 
     def projection(self, layer: int, name: str) -> Linear:
         """Our fused projection `name` (qkv_proj, o_proj, gate_up_proj, down_proj) of a layer."""

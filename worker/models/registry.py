@@ -11,6 +11,7 @@ from worker.layers.kernel_choices import KernelChoices
 from worker.models.dummy import init_dummy_weights
 from worker.models.hf_config import ArchConfig
 from worker.models.llama import LlamaForCausalLM
+from worker.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from worker.models.weight_loader import load_weights
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -18,6 +19,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -11,6 +13,12 @@ from safetensors import safe_open
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+# one expert's matrix in the per-expert layout (transformers 4, and what transformers 5 saves):
+# 'layers.3.mlp.experts.7.up_proj.weight', Mixtral 'layers.3.block_sparse_moe.experts.7.w3.weight'
+_EXPERT = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -35,9 +43,14 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Fill every parameter of `model` from the checkpoint; q/k/v and gate/up go into fused slices."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    expert_parts: Counter[str] = Counter()       # fused expert parameter -> per-expert matrices loaded
     for hf_name, tensor in iter_checkpoint(model_dir):
         target = _our_name(model, hf_name)
         if target is None:
+            continue
+        expert = _EXPERT.match(target[0])
+        if expert is not None:
+            expert_parts[_load_expert(model, params, expert, tensor, hf_name)] += 1
             continue
         name, shard = target
         if name not in params:
@@ -50,6 +63,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         else:
             _copy(params[name], tensor, hf_name)
         loaded.add(name)
+    num_experts = model.cfg.num_experts
+    loaded |= {name for name, n in expert_parts.items()
+               if n == (2 * num_experts if name.endswith("gate_up_proj") else num_experts)}
     tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
     missing = set(params) - loaded - tied
     if missing:
@@ -62,10 +78,24 @@ def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None] | None:
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
     name = hf_name.removeprefix("model.")
+    if ".block_sparse_moe.gate." in name:       # Mixtral's router
+        return name.replace(".block_sparse_moe.", ".mlp."), None
+    if _EXPERT.match(name):
+        return name, None
     for ckpt, (ours, shard) in model.stacked_params.items():
         if f".{ckpt}." in name:
             return name.replace(f".{ckpt}.", f".{ours}."), shard
     return name, None
+
+
+def _load_expert(model: nn.Module, params: dict, match: re.Match, tensor: torch.Tensor, hf_name: str) -> str:
+    """One expert's gate, up or down matrix into the fused expert parameters; returns the parameter's name."""
+    layer, expert, part = int(match.group(1)), int(match.group(2)), _EXPERT_PART[match.group(3)]
+    name = f"layers.{layer}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+    if name not in params or expert >= model.cfg.num_experts:
+        raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
+    model.get_submodule(name.rpartition(".")[0]).load_expert(name, expert, part, tensor.to(params[name].dtype))
+    return name
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
