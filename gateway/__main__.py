@@ -15,7 +15,7 @@ import subprocess
 import sys
 from importlib.metadata import EntryPoint, entry_points
 
-from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module
+from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module, runtime_lora_updating_from_env
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 
 logger = logging.getLogger("gateway")
@@ -54,8 +54,13 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
         help="adapters loaded at startup: name=path, or JSON "
              '\'{"name": "..", "path": "..", "base_model_name": "..", "pinned": true}\'')
     add("--lora-dir", action="append", help="a directory runtime adapter loads may read from (repeatable); "
-                                            "without any, runtime loads may read any path. A request naming "
-                                            "an unknown model that is an adapter directory here loads it")
+                                            "without any, runtime loads may read any path. With runtime "
+                                            "loading on, a request naming an unknown model that is an "
+                                            "adapter directory here loads it")
+    add("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+        default=runtime_lora_updating_from_env(),
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, and load an unknown model name found "
+             "under --lora-dir on first use (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING, else off)")
     add("--enable-lora", action="store_true", help="accepted for vLLM compatibility; LoRA is always enabled")
     add("--max-loras", type=int, default=LoRAConfig.max_loras, help="adapters resident on the GPU at once")
     add("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras, help="adapters cached in host memory")
@@ -83,6 +88,8 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
     add("--port", type=int, default=8000)
     add("--api-key", default=os.environ.get("VLLM_API_KEY"),
         help="require `Authorization: Bearer <key>` on /v1 (default: $VLLM_API_KEY)")
+    add("--max-request-body-bytes", type=int,
+        help="refuse larger request bodies with 413 (default: --max-model-len x 128 bytes, at least 1 MiB)")
     add("--uvicorn-log-level", default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"))
 

@@ -1,8 +1,6 @@
-"""The gateway's Starlette application: build_app, its lifespan, API-key checks and error envelopes."""
+"""The gateway's Starlette application: build_app, its lifespan, its routes and error envelopes."""
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -13,8 +11,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.auth import AuthMiddleware
 from gateway.config import GatewayConfig
 from gateway.protocol import APIError
 from gateway.responses import json_response
@@ -23,27 +21,6 @@ from gateway.serving import ServingContext
 from gateway.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class AuthMiddleware:
-    """vLLM's --api-key check: /v1 paths need `Authorization: Bearer <key>`, else 401."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.key_digest = hashlib.sha256(api_key.encode()).digest()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1") \
-                and not self._authorized(scope):
-            await json_response({"error": "Unauthorized"}, 401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            hashlib.sha256(token.encode()).digest(), self.key_digest)
 
 
 def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = None) -> Starlette:
@@ -63,12 +40,14 @@ def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = 
         finally:
             await client.shutdown()
 
-    if not config.lora_dirs:
-        logger.warning("Runtime LoRA loading may read any path (no --lora-dir given).")
+    runtime_loading = lora.routes if config.allow_runtime_lora_updating else []
+    if runtime_loading:
+        logger.warning("Runtime LoRA loading is on%s.", "" if config.lora_dirs else
+                       " and may read any path (no --lora-dir given)")
     app = Starlette(
-        routes=[*completions.routes, *chat.routes, *models.routes, *lora.routes, *adapters.routes,
+        routes=[*completions.routes, *chat.routes, *models.routes, *runtime_loading, *adapters.routes,
                 *tokenize.routes, *health.routes],
-        middleware=[Middleware(AuthMiddleware, api_key=config.api_key)] if config.api_key else [],
+        middleware=[Middleware(AuthMiddleware, api_key=server.api_key)] if server.api_key else [],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan)
     app.state.server = server

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 
+from gateway.served_models import adapter_name_problem
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 
 
@@ -22,17 +24,30 @@ def parse_lora_module(text: str) -> LoRAModulePath:
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)
-            return LoRAModulePath(str(data["name"]), str(data["path"]), data.get("base_model_name"),
-                              bool(data.get("pinned", False)))
+            module = LoRAModulePath(str(data["name"]), str(data["path"]), data.get("base_model_name"),
+                                    bool(data.get("pinned", False)))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise argparse.ArgumentTypeError(
                 f"Invalid JSON format for --lora-modules: {text} ({e}); expected "
                 '{"name": "...", "path": "...", "base_model_name": "...", "pinned": false}') from None
+        return _checked(module)
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(
             f"Invalid format for --lora-modules: {text}; expected 'name=path' or a JSON object.")
-    return LoRAModulePath(name, path)
+    return _checked(LoRAModulePath(name, path))
+
+
+def _checked(module: LoRAModulePath) -> LoRAModulePath:
+    problem = adapter_name_problem(module.name)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"Invalid --lora-modules name: {problem}")
+    return module
+
+
+def runtime_lora_updating_from_env() -> bool:
+    """vLLM's switch for runtime adapter loading: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (or 1)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,8 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()       # empty: the model path is the name
     lora_modules: tuple[LoRAModulePath, ...] = ()
     lora_dirs: tuple[str, ...] = ()                # where runtime loads may read; empty: anywhere
+    allow_runtime_lora_updating: bool = False      # load/unload routes and auto-load from lora_dirs
+    max_request_body_bytes: int | None = None      # None: request_body.default_max_body_bytes
     max_loras: int = LoRAConfig.max_loras
     max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
     max_lora_rank: int = LoRAConfig.max_lora_rank
@@ -93,6 +110,8 @@ class GatewayConfig:
             model=args.model, tokenizer=args.tokenizer,
             served_model_names=tuple(args.served_model_name or ()),
             lora_modules=tuple(args.lora_modules or ()), lora_dirs=tuple(args.lora_dir or ()),
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            max_request_body_bytes=args.max_request_body_bytes,
             max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
             enable_lora_overlap_loading=args.enable_lora_overlap_loading,
             lora_eviction_policy=args.lora_eviction_policy,

@@ -3,7 +3,8 @@
 Counted per worker request (one per choice), as vLLM counts engine requests. Gauges of the queue
 come from the worker's latest Stats; `loraplex:` metrics count requests and tokens per adapter, and
 describe the adapter tiers (GPU slots, host cache) with hits, misses, loads, evictions and load
-latency per tier, from the worker's LoRAStats.
+latency per tier, from the worker's LoRAStats. An adapter's series go when it is unloaded, so the
+page stays as long as the set of adapters served.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class RequestTimer:
         self.last = now
         self.num_generated += count
         self.metrics.generation_tokens += count
-        if self.lora_name is not None:
+        if self.lora_name in self.metrics.lora_requests:      # not if it was unloaded meanwhile
             self.metrics.lora_generation_tokens[self.lora_name] += count
 
     def finish(self, reason: str) -> None:
@@ -101,6 +102,11 @@ class Metrics:
             self.lora_requests[lora_name] += 1
             self.lora_prompt_tokens[lora_name] += num_prompt_tokens
         return RequestTimer(self, lora_name, time.monotonic())
+
+    def forget_adapter(self, lora_name: str) -> None:
+        """Drop an unloaded adapter's series."""
+        for counter in (self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens):
+            counter.pop(lora_name, None)
 
     def render(self, stats: Stats) -> str:
         model = f'model_name="{_escape(self.model_name)}"'

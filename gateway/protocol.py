@@ -17,8 +17,8 @@ from worker.ipc.messages import SamplingParams
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128   # choices per prompt; a guard against one request fanning out without bound
 
-ERROR_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError", 413: "BadRequestError",
+               415: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 # Accepted by vLLM, not implemented here: a request that sets one is refused rather than
 # silently answered without it.
@@ -133,6 +133,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         if self.top_k is not None:
             _check(self.top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {self.top_k}.", "top_k")
+            _check(self.top_k <= INT64_MAX, f"top_k must be a 64-bit integer, got {self.top_k}.", "top_k")
+        _check(all(INT64_MIN <= t <= INT64_MAX for t in self.stop_token_ids or []),
+               "stop_token_ids must be 64-bit integers.", "stop_token_ids")
         if self.min_p is not None:
             _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.", "min_p")
         _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
@@ -242,8 +245,10 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
     """Parse and validate a JSON request body; every failure is a 400 APIError."""
     try:
         data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:      # MsgspecError: 1e999 is a ValidationError
         raise APIError(f"JSON decode error: {e}") from None
+    except RecursionError:
+        raise APIError("JSON decode error: the body is nested too deeply.") from None
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object.")
     for field in UNSUPPORTED_FIELDS:

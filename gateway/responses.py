@@ -29,10 +29,11 @@ async def collect_choices(deltas: AsyncIterator[tuple[int, Delta]], num_choices:
 
 
 def raise_if_failed(*choices: Delta) -> None:
-    """A 500 with the worker's message when any of `choices` (whole, or a streamed delta) ended in an error."""
+    """The worker's message and status (500 when it gave none) when any of `choices` (whole, or a streamed
+    delta) ended in an error."""
     failed = next((c for c in choices if c.finish_reason == "error"), None)
     if failed is not None:
-        raise APIError(failed.error or "The request failed in the worker.", 500)
+        raise APIError(failed.error or "The request failed in the worker.", failed.status_code or 500)
 
 
 def prompt_logprobs_field(tokenizer: Tokenizer, choice: Delta) -> list[dict[str, dict[str, Any]] | None] | None:
@@ -46,10 +47,13 @@ def prompt_logprobs_field(tokenizer: Tokenizer, choice: Delta) -> list[dict[str,
         for entry in choice.prompt_logprobs]
 
 
-def render_chat(server: ServingContext, messages: list, add_generation_prompt: bool, add_special_tokens: bool,
-                template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Prompt token ids of a conversation, through the tokenizer's chat template."""
+async def render_chat(server: ServingContext, messages: list, add_generation_prompt: bool,
+                      add_special_tokens: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
+    """Prompt token ids of a conversation, through the tokenizer's chat template (on a thread when long)."""
     conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in messages]
-    text = server.tokenizer.apply_chat_template(conversation, add_generation_prompt, **(template_kwargs or {}))
-    return server.encode_prompt(text, add_special_tokens)
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
+    size = sum(len(m["content"]) for m in conversation)
+    text = await server.off_loop(size, lambda: server.tokenizer.apply_chat_template(
+        conversation, add_generation_prompt, **kwargs))
+    return await server.encode_prompt(text, add_special_tokens)

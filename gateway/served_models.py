@@ -1,8 +1,10 @@
 """Names the gateway serves: the base model's names and the adapters loaded on top of it.
 
-A request's `model` is a served base name (no adapter), an adapter name, or `base:adapter`. An
-unknown name that is an adapter directory under a --lora-dir root is registered on first use; the
-worker, which knows the same roots, loads it when the request arrives. ServedModels also writes
+A request's `model` is a served base name (no adapter), an adapter name, or `base:adapter`. With
+runtime loading on, an unknown name that is an adapter directory under a --lora-dir root is registered
+on first use; the worker, which knows the same roots, loads it when the request arrives. Adapter names
+are at most 255 characters with no commas, whitespace or control characters: vLLM's routers split
+adapter lists on commas, and each name is a label on /metrics. ServedModels also writes
 vLLM's model cards for /v1/models, with each adapter's lineage (root = its path, parent = its base model).
 """
 from __future__ import annotations
@@ -14,8 +16,26 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.protocol import model_not_found
+from gateway.protocol import APIError, model_not_found
 from worker.config import LoRAConfig
+
+MAX_ADAPTER_NAME = 255
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """What is wrong with `name` as an adapter name, None if nothing."""
+    if len(name) > MAX_ADAPTER_NAME:
+        return f"An adapter name must be at most {MAX_ADAPTER_NAME} characters long, got {len(name)}."
+    if any(c == "," or c.isspace() or not c.isprintable() for c in name):
+        return "An adapter name must not contain commas, whitespace or control characters."
+    return None
+
+
+def check_adapter_name(name: str) -> None:
+    """400 naming the rule `name` breaks."""
+    problem = adapter_name_problem(name)
+    if problem is not None:
+        raise APIError(problem, type="InvalidUserInput", param="lora_name")
 
 
 @dataclass(frozen=True)
@@ -63,8 +83,11 @@ class ServedModels:
         """Serialises loads and unloads of one adapter name."""
         return self._locks[name]
 
-    def resolve(self, model: str | None) -> str | None:
-        """The adapter a request's `model` names, None for the base model; 404 for an unknown name."""
+    def resolve(self, model: str | None, may_load: bool = False) -> str | None:
+        """The adapter a request's `model` names, None for the base model; 404 for an unknown name.
+
+        Only with `may_load` is an unknown name looked up under the --lora-dir roots (and registered).
+        """
         if not model or model in self.served_names:
             return None
         if model in self._adapters:
@@ -73,7 +96,7 @@ class ServedModels:
             adapter = model.removeprefix(base + ":")
             if adapter != model and adapter in self._adapters:
                 return adapter
-        path = self._roots.find_adapter_dir(model)
+        path = self._roots.find_adapter_dir(model) if may_load and adapter_name_problem(model) is None else None
         if path is None:
             raise model_not_found(model)
         self.add(model, path)

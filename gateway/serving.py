@@ -2,18 +2,24 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import anyio
+from starlette.requests import Request
 
+from gateway.auth import APIKey
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
-from gateway.protocol import check_token_ids
+from gateway.protocol import check_token_ids, model_not_found, resolve_max_tokens
+from gateway.request_body import default_max_body_bytes, read_json
 from gateway.served_models import ServedModels
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
-from worker.ipc.messages import AddRequest, SamplingParams
+from worker.ipc.messages import AddRequest, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OFF_LOOP_SIZE = 16_384    # characters or tokens past which tokenizing and templating run on a thread
 
 
 class ServingContext:
@@ -25,6 +31,7 @@ class ServingContext:
         self.tokenizer = tokenizer
         self.served_models = ServedModels(config.served_names, config.model, config.lora_dirs)
         self.metrics = Metrics(config.served_names[0], config.max_loras)
+        self.api_key = APIKey(config.api_key) if config.api_key else None
 
     @property
     def max_model_len(self) -> int:
@@ -34,6 +41,29 @@ class ServingContext:
     def vocab_size(self) -> int:
         """Token ids a prompt may use: known to both the tokenizer and the model."""
         return min(self.tokenizer.vocab_size, self.client.ready.vocab_size)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.config.max_request_body_bytes or default_max_body_bytes(self.max_model_len)
+
+    async def read_json(self, request: Request, type_: type[T]) -> T:
+        """The request's JSON body as `type_`, within the body size limit."""
+        return await read_json(request, type_, self.max_body_bytes)
+
+    def may_load_adapters(self, request: Request) -> bool:
+        """Whether `request` may make the server read a --lora-dir: runtime loading is on, and the
+        request carries the API key if there is one."""
+        return self.config.allow_runtime_lora_updating and (self.api_key is None or self.api_key.accepts(request.scope))
+
+    def resolve(self, request: Request, model: str | None) -> str | None:
+        """The adapter `model` names for this request (ServedModels.resolve); 404 if unknown."""
+        return self.served_models.resolve(model, may_load=self.may_load_adapters(request))
+
+    async def off_loop(self, size: int, work: Callable[[], T]) -> T:
+        """`work()`, on a worker thread when `size` says it is large enough to stall the event loop."""
+        if size < OFF_LOOP_SIZE:
+            return work()
+        return await anyio.to_thread.run_sync(work)
 
     async def start(self) -> None:
         """Start the worker, then load the --lora-modules adapters; raises with the worker's message."""
@@ -47,11 +77,22 @@ class ServingContext:
         logger.info("Serving %s (max_model_len %d) with adapters %s", ", ".join(self.config.served_names),
                     self.max_model_len, [m.name for m in self.config.lora_modules])
 
-    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        """Prompt token ids, checked against the vocabulary; a 400 for an empty prompt."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens) if isinstance(prompt, str) else prompt
-        check_token_ids(ids, self.vocab_size)
-        return ids
+    async def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """Prompt token ids, checked against the vocabulary; a 400 for an empty prompt, and for one
+        past the context before its ids are listed (a long list holds the GIL while it is built)."""
+        def encode() -> list[int]:
+            ids = prompt
+            if isinstance(prompt, str):
+                encoding = self.tokenizer.encoding(prompt, add_special_tokens)
+                if len(encoding) >= self.max_model_len:
+                    resolve_max_tokens(None, len(encoding), self.max_model_len)     # raises
+                ids = encoding.ids
+            check_token_ids(ids, self.vocab_size)
+            return ids
+        return await self.off_loop(len(prompt), encode)
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return await self.off_loop(len(token_ids), lambda: self.tokenizer.decode(token_ids, skip_special_tokens))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        lora_name: str | None, detokenizer: IncrementalDetokenizer) -> AsyncIterator[Delta]:
@@ -66,6 +107,7 @@ class ServingContext:
         try:
             async for output in outputs:
                 timer.on_tokens(len(output.new_token_ids))
+                self._raise_if_adapter_gone(lora_name, output)
                 delta = detokenizer.update(output)
                 reason = delta.finish_reason or reason
                 yield delta
@@ -78,3 +120,9 @@ class ServingContext:
             timer.finish(reason)
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()
+
+    def _raise_if_adapter_gone(self, lora_name: str | None, output: RequestOutput) -> None:
+        """404, as before submitting, for a request whose adapter was unloaded while it waited."""
+        if lora_name is not None and output.error is not None and (
+                lora_name not in self.served_models or output.status_code == 404):
+            raise model_not_found(lora_name)

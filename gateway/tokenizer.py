@@ -22,6 +22,9 @@ from gateway.protocol import APIError
 from worker.ipc.messages import RequestOutput, TokenLogprob
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Longer inputs go through the batch calls, which release the GIL (so a thread running them leaves the
+# event loop free); the single calls hold it.
+RELEASE_GIL_SIZE = 4096
 DETOKENIZE_CONTEXT = 5    # prompt tokens decoded before the output, so the first token keeps its spacing
 NO_CHAT_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must "
                     "provide a chat template if the tokenizer does not define one.")
@@ -52,10 +55,18 @@ class Tokenizer:
         return cls(backend, template, special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encoding(text, add_special_tokens).ids
+
+    def encoding(self, text: str, add_special_tokens: bool = True) -> tokenizers.Encoding:
+        """The backend's encoding, whose length is known before its ids become a Python list."""
+        if len(text) < RELEASE_GIL_SIZE:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if len(token_ids) < RELEASE_GIL_SIZE:
+            return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (a partial UTF-8 sequence reads as U+FFFD), for logprobs."""
@@ -66,14 +77,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        """Render the conversation; template errors are the client's (400), as in vLLM."""
+        """Render the conversation; template errors, whatever a client's kwargs made the template raise,
+        are the client's (400), as in vLLM."""
         if self.chat_template is None:
             raise APIError(NO_CHAT_TEMPLATE)
         context = {**self.special_tokens, **kwargs, "messages": messages,
                    "add_generation_prompt": add_generation_prompt}
         try:
             return _compile(self.chat_template).render(context)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:
             raise APIError(f"Chat template error: {e}") from None
 
 
@@ -87,6 +99,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    status_code: int | None = None     # with an error: the HTTP status the worker gave it (None: 500)
 
     def extend(self, later: Delta) -> None:
         """Append a later delta of the same choice (to build a whole, non-streamed choice)."""
@@ -97,6 +110,7 @@ class Delta:
             self.logprobs.extend(later.logprobs)
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.finish_reason, self.stop_reason, self.error = later.finish_reason, later.stop_reason, later.error
+        self.status_code = later.status_code
 
 
 class IncrementalDetokenizer:
@@ -131,6 +145,7 @@ class IncrementalDetokenizer:
             delta.finish_reason, delta.stop_reason = "stop", stop_string
         elif finished:
             delta.finish_reason, delta.stop_reason, delta.error = output.finish_reason, output.stop_reason, output.error
+            delta.status_code = output.status_code
         return delta
 
     def _decode(self, token_ids: list[int], flush: bool) -> str:

@@ -108,6 +108,7 @@ def test_gpu_service_serves_the_mounted_model_and_reads_adapters_only_from_their
     mounts = {interpolate(v["source"]): v for v in SERVICES["loraplex"]["volumes"]}
     assert args.model == mounts["../models/base"]["target"]
     assert args.lora_dir == [mounts["../adapters"]["target"]]
+    assert args.allow_runtime_lora_updating      # README's "Adding adapters at runtime" relies on it
     assert all(v["read_only"] and not v["bind"]["create_host_path"] for v in mounts.values())
 
 

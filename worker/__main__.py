@@ -103,6 +103,7 @@ class Worker:
             if not (isinstance(e, ValueError) or hasattr(e, "status_code")):
                 raise
             self.send(RequestOutput(request.request_id, [], finish_reason="error", error=str(e),
+                                    status_code=getattr(e, "status_code", 400),
                                     num_prompt_tokens=len(request.prompt_token_ids)))
 
     def _adapter_command(self, engine: EngineInterface, command: AdapterCommand) -> AdapterCommandResult:

@@ -218,7 +218,7 @@ class Engine:
             for request in self.scheduler.fail_adapter(load.ref, batch):
                 self._forget(request)
                 outputs.append(RequestOutput(request.request_id, [], finish_reason="error", error=load.message,
-                                             num_prompt_tokens=request.num_prompt_tokens))
+                                             status_code=500, num_prompt_tokens=request.num_prompt_tokens))
         return outputs
 
     def _fail_nonfinite(self, request: Request) -> RequestOutput:
@@ -228,11 +228,12 @@ class Engine:
         self._forget(request)
         adapter = "" if request.adapter is None else f" with LoRA adapter '{request.adapter.name}'"
         return RequestOutput(request.request_id, [], finish_reason="error", num_prompt_tokens=request.num_prompt_tokens,
+                             status_code=500,
                              error=f"The model's output for this request{adapter} was not finite (nan or inf).")
 
     def _output(self, request: Request, logprobs: dict) -> RequestOutput:
         if request.finish_reason == "error":   # the scheduler found it can never fit in the KV pool
-            return RequestOutput(request.request_id, [], finish_reason="error",
+            return RequestOutput(request.request_id, [], finish_reason="error", status_code=400,
                                  num_prompt_tokens=request.num_prompt_tokens,
                                  error=f"The request needs more KV-cache blocks than the pool has "
                                        f"({self.num_kv_blocks} blocks of {self.config.cache.block_size} tokens).")

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import ChatCompletionRequest, decode_body, resolve_max_tokens
+from gateway.protocol import ChatCompletionRequest, resolve_max_tokens
 from gateway.responses import (collect_choices, json_response, prompt_logprobs_field, raise_if_failed, render_chat,
                                usage)
 from gateway.serving import ServingContext
@@ -24,10 +24,10 @@ from worker.ipc.messages import TokenLogprob
 
 async def create_chat_completion(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    body = decode_body(await request.body(), ChatCompletionRequest)
-    lora_name = server.served_models.resolve(body.model)
+    body = await server.read_json(request, ChatCompletionRequest)
+    lora_name = server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.num_logprobs)
-    prompt_ids = render_chat(server, body.messages, body.add_generation_prompt, body.add_special_tokens,
+    prompt_ids = await render_chat(server, body.messages, body.add_generation_prompt, body.add_special_tokens,
                              body.chat_template_kwargs)
     requested, param = body.max_output_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), server.max_model_len, param)

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import CompletionRequest, decode_body, resolve_max_tokens
+from gateway.protocol import CompletionRequest, resolve_max_tokens
 from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, usage
 from gateway.serving import ServingContext
 from gateway.sse import cancel_on_disconnect, merge, sse_response
@@ -32,10 +32,10 @@ class Job:
 
 async def create_completion(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    body = decode_body(await request.body(), CompletionRequest)
-    lora_name = server.served_models.resolve(body.model)
+    body = await server.read_json(request, CompletionRequest)
+    lora_name = server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.logprobs)
-    jobs = _jobs(server, body)
+    jobs = await _jobs(server, body)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.served_models.base_name
     deltas = merge([_choice_stream(server, body, job, lora_name, response_id) for job in jobs])
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model}
@@ -47,15 +47,15 @@ async def create_completion(request: Request) -> Response:
     return json_response(_response(server.tokenizer, body, jobs, choices, header))
 
 
-def _jobs(server: ServingContext, body: CompletionRequest) -> list[Job]:
+async def _jobs(server: ServingContext, body: CompletionRequest) -> list[Job]:
     jobs = []
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:
         prompt_logprobs = body.logprobs
     for prompt in body.prompt_inputs():
-        ids = server.encode_prompt(prompt, body.add_special_tokens)
+        ids = await server.encode_prompt(prompt, body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_model_len)
-        text = prompt if isinstance(prompt, str) else server.tokenizer.decode(ids, skip_special_tokens=False)
+        text = prompt if isinstance(prompt, str) else await server.decode(ids, skip_special_tokens=False)
         for sample in range(body.n):
             params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, sample)
             jobs.append(Job(len(jobs), ids, text, params))

@@ -1,7 +1,9 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter, with vLLM's bodies, messages and codes.
 
-The gateway checks names and paths; the worker reads and validates the PEFT directory and answers
-with the status code to return. Success bodies are plain text, as in vLLM.
+Served only with runtime loading on (--allow-runtime-lora-updating or VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+as in vLLM. The gateway checks names (served_models.adapter_name_problem) and paths; the worker reads
+and validates the PEFT directory and answers with the status code to return. Success bodies are plain
+text, as in vLLM. An unloaded adapter's series leave /metrics.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, decode_body
+from gateway.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from gateway.served_models import check_adapter_name
 from gateway.serving import ServingContext
 
 INVALID_INPUT = "InvalidUserInput"
@@ -19,10 +22,14 @@ INVALID_INPUT = "InvalidUserInput"
 
 async def load_lora_adapter(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    body = decode_body(await request.body(), LoadLoRAAdapterRequest)
+    body = await server.read_json(request, LoadLoRAAdapterRequest)
     name, path = body.lora_name, body.lora_path
     if not name or not path:
         raise APIError("Both 'lora_name' and 'lora_path' must be provided.", type=INVALID_INPUT)
+    check_adapter_name(name)
+    if "\0" in path:
+        raise APIError("The lora adapter path must not contain a NUL character.", type=INVALID_INPUT,
+                       param="lora_path")
     if name in server.served_models.served_names:
         raise APIError(f"The lora adapter name '{name}' is already a served model name.", type=INVALID_INPUT)
     if not _allowed(path, server.config.lora_dirs):
@@ -42,7 +49,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 async def unload_lora_adapter(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    name = decode_body(await request.body(), UnloadLoRAAdapterRequest).lora_name
+    name = (await server.read_json(request, UnloadLoRAAdapterRequest)).lora_name
     if not name:
         raise APIError("'lora_name' needs to be provided to unload a LoRA adapter.", type=INVALID_INPUT)
     async with server.served_models.lock(name):
@@ -52,6 +59,7 @@ async def unload_lora_adapter(request: Request) -> Response:
         if not result.ok:
             raise APIError(result.message, result.status_code)
         server.served_models.remove(name)
+        server.metrics.forget_adapter(name)
     return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

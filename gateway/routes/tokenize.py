@@ -1,39 +1,49 @@
-"""POST /tokenize and /detokenize, with vLLM's bodies and answers."""
+"""POST /tokenize and /detokenize, with vLLM's bodies and answers.
+
+Open without the API key, as in vLLM; such a request resolves `model` among the names already served
+and never registers an adapter from a --lora-dir (ServingContext.may_load_adapters), so its 200 or
+404 says nothing about the directories.
+"""
 from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError, DetokenizeRequest, TokenizeRequest, check_token_ids, decode_body
+from gateway.protocol import APIError, DetokenizeRequest, TokenizeRequest, check_token_ids
 from gateway.responses import json_response, render_chat
 from gateway.serving import ServingContext
 
 
 async def tokenize(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    body = decode_body(await request.body(), TokenizeRequest)
-    server.served_models.resolve(body.model)
+    body = await server.read_json(request, TokenizeRequest)
+    server.resolve(request, body.model)
     if body.messages is not None:
         add_special = bool(body.add_special_tokens)
-        ids = render_chat(server, body.messages, body.add_generation_prompt, add_special, body.chat_template_kwargs)
+        ids = await render_chat(server, body.messages, body.add_generation_prompt, add_special,
+                                body.chat_template_kwargs)
     elif body.prompt is not None:
         add_special = body.add_special_tokens is None or body.add_special_tokens
-        ids = server.tokenizer.encode(body.prompt, add_special)
+        ids = await server.off_loop(len(body.prompt), lambda: server.tokenizer.encode(body.prompt, add_special))
     else:
         raise APIError("Either `prompt` or `messages` must be provided.", param="prompt")
-    token_strs = [server.tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = await server.off_loop(len(ids), lambda: [server.tokenizer.backend.id_to_token(t) for t in ids])
     return json_response({"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids,
                           "token_strs": token_strs})
 
 
 async def detokenize(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    body = decode_body(await request.body(), DetokenizeRequest)
-    server.served_models.resolve(body.model)
-    if body.tokens:
-        check_token_ids(body.tokens, server.vocab_size)
-    return json_response({"prompt": server.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    body = await server.read_json(request, DetokenizeRequest)
+    server.resolve(request, body.model)
+    def decode() -> str:
+        if body.tokens:
+            check_token_ids(body.tokens, server.vocab_size)
+        return server.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return json_response({"prompt": await server.off_loop(len(body.tokens), decode)})
 
 
 routes = [Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]

@@ -146,7 +146,7 @@ def demo(tmp_path_factory) -> DemoAssets:
 def server(demo, tmp_path_factory) -> Server:
     port = free_port()
     log_path = tmp_path_factory.mktemp("e2e-server") / "server.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}   # test_models_api
     env.pop("VLLM_API_KEY", None)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(server_command(demo, port), cwd=REPO_ROOT, env=env, stdout=log,

@@ -55,6 +55,7 @@ class FakeWorkerClient:
         self.adapter_commands: list[tuple[str, str, str | None, bool, bool]] = []
         self.adapter_results: dict[str, AdapterCommandResult] = {}   # name -> answer; default ok
         self.error: str | None = None       # set: every request ends at once with this error, as on worker death
+        self.error_status: int | None = None   # the HTTP status the worker gives that error (None: none given)
         self.shut_down = False
 
     async def start(self) -> Ready:
@@ -74,7 +75,8 @@ class FakeWorkerClient:
     async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
         if self.error is not None:
-            yield RequestOutput(request.request_id, [], finish_reason="error", error=self.error)
+            yield RequestOutput(request.request_id, [], finish_reason="error", error=self.error,
+                                status_code=self.error_status)
             return
         tokens, finish, stop_reason = self._tokens(request)
         finished = False

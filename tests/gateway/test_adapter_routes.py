@@ -29,7 +29,8 @@ SQL = AdapterState(name="sql", path="/adapters/sql", version=2, residency="gpu",
 async def serve(lora_dirs=(),
                 modules=(LoRAModulePath("sql", "/adapters/sql", pinned=True), LoRAModulePath("poet", "/p"))):
     client = FakeWorkerClient(lambda request: TOKENIZER.encode("hello"))
-    config = GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), lora_modules=modules, lora_dirs=lora_dirs)
+    config = GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), lora_modules=modules, lora_dirs=lora_dirs,
+                           allow_runtime_lora_updating=True)
     app = build_app(config, client, TOKENIZER)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:

@@ -25,10 +25,11 @@ def answer(request):
 
 
 @asynccontextmanager
-async def serve(script=answer, *, api_key=None, lora_dirs=(), **client_args):
+async def serve(script=answer, *, api_key=None, lora_dirs=(), runtime_loading=False, **client_args):
     client = FakeWorkerClient(script, **client_args)
     config = GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), api_key=api_key, lora_dirs=lora_dirs,
-                           lora_modules=(LoRAModulePath(ADAPTER, ADAPTER_DIR),))
+                           lora_modules=(LoRAModulePath(ADAPTER, ADAPTER_DIR),),
+                           allow_runtime_lora_updating=runtime_loading)
     app = build_app(config, client, TOKENIZER)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -312,6 +313,20 @@ async def test_worker_failure_ends_the_request_with_an_error(stream):
         assert (response.status_code, response.json()) == (500, expected)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_worker_error_keeps_the_status_the_worker_gave_it(stream):
+    """A request the worker refuses (here: too long for the whole KV pool) is the client's fault: 400, not 500."""
+    failure = "The request needs more KV-cache blocks than the pool has (8 blocks of 16 tokens)."
+    async with serve() as (http, client):
+        client.error, client.error_status = failure, 400
+        response = await http.post("/v1/completions", json=completion_body(stream=stream))
+    expected = {"error": {"message": failure, "type": "BadRequestError", "param": None, "code": 400}}
+    if stream:
+        assert events(response)[-2:] == [expected, "[DONE]"]
+    else:
+        assert (response.status_code, response.json()) == (400, expected)
+
+
 async def test_client_disconnect_aborts_the_worker_request():
     client = FakeWorkerClient(lambda request: [272] * 5000, delay=0.001, max_model_len=8000)
     app = build_app(GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,)), client, TOKENIZER)
@@ -369,7 +384,7 @@ async def test_startup_failure_raises_the_worker_message():
 
 
 async def test_load_and_unload_adapter_pass_through_the_worker():
-    async with serve() as (http, client):
+    async with serve(runtime_loading=True) as (http, client):
         loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": "/adapters/poet"})
         again = await http.post("/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": "/adapters/poet"})
         inplace = await http.post("/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": "/adapters/p2",
@@ -402,7 +417,7 @@ async def test_load_and_unload_adapter_pass_through_the_worker():
     ("/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "The lora adapter 'nope' cannot be found."),
 ])
 async def test_adapter_route_errors(route, body, status, message):
-    async with serve(lora_dirs=("/adapters",)) as (http, client):
+    async with serve(lora_dirs=("/adapters",), runtime_loading=True) as (http, client):
         client.adapter_results["bad"] = AdapterCommandResult(
             0, ok=False, status_code=404, message="Loading adapter 'bad' failed: no adapter_config.json")
         response = await http.post(route, json=body)

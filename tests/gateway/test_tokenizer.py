@@ -5,7 +5,7 @@ import pytest
 
 from fake_worker_client import CHATML, IM_END, IM_START, build_tokenizer
 from gateway.protocol import APIError
-from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from gateway.tokenizer import RELEASE_GIL_SIZE, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import RequestOutput
 
 TOKENIZER = build_tokenizer()
@@ -142,3 +142,12 @@ def test_worker_error_passes_through_with_its_message():
     detokenizer = IncrementalDetokenizer(TOKENIZER, [])
     delta = detokenizer.update(RequestOutput("r", [], finish_reason="error", error="worker died"))
     assert (delta.text, delta.finish_reason, delta.error) == ("", "error", "worker died")
+
+
+@pytest.mark.parametrize("length", [RELEASE_GIL_SIZE - 1, RELEASE_GIL_SIZE, 3 * RELEASE_GIL_SIZE])
+def test_long_inputs_take_the_batch_calls_with_the_same_answer(length):
+    tokenizer = build_tokenizer()
+    text = ("une fenêtre à Paris, 日本語 text " * length)[:length]
+    ids = tokenizer.backend.encode(text).ids
+    assert tokenizer.encode(text) == ids
+    assert tokenizer.decode(ids[:length]) == tokenizer.backend.decode(ids[:length])

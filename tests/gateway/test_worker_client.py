@@ -130,10 +130,10 @@ async def test_cancelled_generate_aborts_the_request(client):
 
 async def test_engine_rejection_ends_the_request_with_its_error(client):
     outputs = await collect(client, add_request("bad", [], max_tokens=4))
-    assert outputs == [RequestOutput("bad", [], finish_reason="error", error="The prompt is empty.")]
+    assert outputs == [RequestOutput("bad", [], finish_reason="error", error="The prompt is empty.", status_code=400)]
     outputs = await collect(client, add_request("no-adapter", [1, 2], max_tokens=4, lora_name="ghost"))
     assert outputs == [RequestOutput("no-adapter", [], finish_reason="error", num_prompt_tokens=2,
-                                     error="The lora adapter 'ghost' cannot be found.")]
+                                     error="The lora adapter 'ghost' cannot be found.", status_code=404)]
 
 
 async def test_adapter_commands_report_engine_results(client):

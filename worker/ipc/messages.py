@@ -89,6 +89,7 @@ class RequestOutput(msgspec.Struct, tag=True):
     stop_reason: int | None = None          # the stop token id that ended it, if any
     num_prompt_tokens: int = 0
     error: str | None = None
+    status_code: int | None = None          # with an error, its HTTP status: 400 the request, 404 its adapter, 500 ours
     queue_time: float | None = None         # seconds from arrival to its first scheduled step; with the first output
 
     @property

@@ -1,0 +1,223 @@
+"""A bounded soak of the whole server on loopback: mixed traffic, disconnects, adapter churn, bad requests.
+
+    python -m bench.soak --minutes 10 --out soak.json
+
+Serves the embedded demo (`python -m gateway demo`, runtime adapter loading on), then runs `--clients`
+concurrent clients for `--minutes`. Each client loops over a random mix of: streamed completions and chat
+completions on the base model or an adapter (a share of them cut off after a few chunks), whole
+completions, loads and unloads of extra copies of a demo adapter, and bad requests (malformed bodies,
+wrong content types, unknown models, out-of-range fields). Afterwards it waits for the server to go idle
+and checks what a long-running server must keep true:
+
+- no answer was a 5xx, and every bad request got a 4xx;
+- running and waiting requests are back to 0, and the GPU adapter slots hold no more adapters than
+  `--max-loras` with none still loading;
+- the gateway's and the worker's RSS are within `--rss-tolerance` of their values after the warm-up.
+
+The JSON holds the counts per kind and status, the RSS samples and each check's result; the exit
+status is 1 when a check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psutil
+
+EXTRA_ADAPTERS = 4          # runtime-loaded copies of a demo adapter, churned by the clients
+BAD_BODIES = [               # (content type, body): each must get a 4xx
+    ("application/json", b"{"),
+    ("application/json", b"\xff\xfe{}"),
+    ("application/json", b"[" * 5000 + b"]" * 5000),
+    ("text/plain", b'{"prompt": "x", "model": "loraplex-demo"}'),
+    ("application/json", b'{"prompt": "x", "model": "no-such-model"}'),
+    ("application/json", b'{"prompt": "x", "model": "loraplex-demo", "max_tokens": -3}'),
+    ("application/json", b'{"prompt": "x", "model": "loraplex-demo", "temperature": "hot"}'),
+    ("application/json", b'{"prompt": [999999999], "model": "loraplex-demo"}'),
+]
+
+
+def demo_assets() -> dict:
+    done = subprocess.run([sys.executable, "-m", "worker.demo"], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def start_server(port: int, max_loras: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    command = [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--max-loras", str(max_loras),
+               "--uvicorn-log-level", "warning"]
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} during startup")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {timeout_s} s")
+
+
+def rss_mb(process: subprocess.Popen) -> dict[str, float]:
+    """Resident memory of the gateway and of its worker (its child processes, summed)."""
+    gateway = psutil.Process(process.pid)
+    workers = gateway.children(recursive=True)
+    return {"gateway": gateway.memory_info().rss / 2**20,
+            "worker": sum(p.memory_info().rss for p in workers) / 2**20}
+
+
+class Client:
+    """One client's loop of random operations; counts (kind, status) pairs."""
+
+    def __init__(self, http: httpx.AsyncClient, rng: random.Random, adapters: list[str], extra: dict[str, str],
+                 counts: Counter):
+        self.http, self.rng, self.adapters, self.extra, self.counts = http, rng, adapters, extra, counts
+
+    async def run(self, until: float) -> None:
+        while time.monotonic() < until:
+            kind = self.rng.choices(["stream", "chat", "whole", "churn", "bad"], [4, 2, 2, 1, 1])[0]
+            try:
+                status = await getattr(self, kind)()
+            except httpx.TransportError as e:
+                status = f"transport:{type(e).__name__}"
+            self.counts[(kind, str(status))] += 1
+
+    def _model(self) -> str:
+        return self.rng.choice(["loraplex-demo", *self.adapters, *self.extra])
+
+    async def stream(self) -> int:
+        body = {"model": self._model(), "prompt": "The weather today", "stream": True,
+                "max_tokens": self.rng.randint(1, 48), "temperature": self.rng.choice([0.0, 0.8])}
+        cut = self.rng.random() < 0.3            # the client goes away after a few chunks
+        async with self.http.stream("POST", "/v1/completions", json=body) as response:
+            chunks = 0
+            async for line in response.aiter_lines():
+                chunks += line.startswith("data:")
+                if cut and chunks >= 3:
+                    break
+            return response.status_code
+
+    async def chat(self) -> int:
+        body = {"model": self._model(), "messages": [{"role": "user", "content": "Tell me something"}],
+                "stream": True, "max_tokens": self.rng.randint(1, 32)}
+        async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for _ in response.aiter_lines():
+                pass
+            return response.status_code
+
+    async def whole(self) -> int:
+        body = {"model": self._model(), "prompt": "Once upon a time", "max_tokens": self.rng.randint(1, 32),
+                "n": self.rng.choice([1, 2])}
+        return (await self.http.post("/v1/completions", json=body)).status_code
+
+    async def churn(self) -> int:
+        name = self.rng.choice(list(self.extra))
+        if self.rng.random() < 0.5:
+            body = {"lora_name": name, "lora_path": self.extra[name]}
+            return (await self.http.post("/v1/load_lora_adapter", json=body)).status_code
+        return (await self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})).status_code
+
+    async def bad(self) -> int:
+        content_type, body = self.rng.choice(BAD_BODIES)
+        response = await self.http.post("/v1/completions", content=body, headers={"content-type": content_type})
+        return response.status_code
+
+
+async def traffic(url: str, seconds: float, clients: int, adapters: list[str], extra: dict[str, str],
+                  seed: int) -> Counter:
+    counts: Counter = Counter()
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+        until = time.monotonic() + seconds
+        await asyncio.gather(*(Client(http, random.Random(seed + i), adapters, extra, counts).run(until)
+                               for i in range(clients)))
+    return counts
+
+
+def idle_state(url: str, timeout_s: float = 60) -> dict:
+    """Wait until no request runs or waits; then the gauges and the adapters' places."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        gauges = {name: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                            if line.startswith(name + "{"))
+                  for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
+        if not any(gauges.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    adapters = httpx.get(f"{url}/v1/adapters", timeout=10).json()["data"]
+    return {"gauges": gauges, "on_gpu": sum(a["residency"] == "gpu" for a in adapters),
+            "loading": sum(bool(a["loading"]) for a in adapters)}
+
+
+def checks(counts: Counter, idle: dict, rss_warm: dict, rss_end: dict, max_loras: int, tolerance: float) -> dict:
+    server_errors = sum(n for (kind, status), n in counts.items() if status.startswith("5"))
+    bad_not_4xx = sum(n for (kind, status), n in counts.items() if kind == "bad" and not status.startswith("4"))
+    return {"no_5xx": server_errors == 0, "bad_requests_got_4xx": bad_not_4xx == 0,
+            "idle_gauges_zero": not any(idle["gauges"].values()),
+            "slots_settled": idle["on_gpu"] <= max_loras and idle["loading"] == 0,
+            **{f"rss_{side}_within_tolerance": rss_end[side] <= rss_warm[side] * (1 + tolerance) for side in rss_warm}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--warmup-minutes", type=float, default=1.0, help="traffic before the RSS baseline")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--max-loras", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8199)
+    parser.add_argument("--rss-tolerance", type=float, default=0.10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    assets, url = demo_assets(), f"http://127.0.0.1:{args.port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        source = next(iter(assets["adapters"].values()))
+        extra = {f"extra-{i}": shutil.copytree(source, Path(tmp) / f"extra-{i}") for i in range(EXTRA_ADAPTERS)}
+        extra = {name: str(path) for name, path in extra.items()}
+        server = start_server(args.port, args.max_loras, Path(tmp) / "server.log")
+        try:
+            wait_healthy(url, server)
+            adapters = list(assets["adapters"])
+            warm = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra, args.seed))
+            rss_warm = rss_mb(server)
+            start = time.monotonic()
+            counts = asyncio.run(traffic(url, 60 * args.minutes, args.clients, adapters, extra, args.seed + 1000))
+            seconds = time.monotonic() - start
+            idle = idle_state(url)
+            rss_end = rss_mb(server)
+            alive = server.poll() is None
+        finally:
+            server.terminate()
+            server.wait(30)
+    result = {"minutes": seconds / 60, "clients": args.clients, "warmup": _flat(warm), "counts": _flat(counts),
+              "operations": sum(counts.values()), "idle": idle, "rss_mb_after_warmup": rss_warm,
+              "rss_mb_at_end": rss_end, "server_alive_at_end": alive,
+              "checks": checks(counts, idle, rss_warm, rss_end, args.max_loras, args.rss_tolerance)}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    sys.exit(0 if alive and all(result["checks"].values()) else 1)
+
+
+def _flat(counts: Counter) -> dict[str, int]:
+    return {f"{kind} {status}": n for (kind, status), n in sorted(counts.items())}
+
+
+if __name__ == "__main__":
+    main()
