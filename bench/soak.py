@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -80,6 +81,14 @@ def rss_mb(process: subprocess.Popen) -> dict[str, float]:
     workers = gateway.children(recursive=True)
     return {"gateway": gateway.memory_info().rss / 2**20,
             "worker": sum(p.memory_info().rss for p in workers) / 2**20}
+
+
+def sample_rss(process: subprocess.Popen, samples: list, seconds: float, every_s: float = 30.0) -> None:
+    """Append rss_mb(process) every `every_s` for `seconds` (the shape of any growth: a plateau or a slope)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(every_s, max(0.0, end - time.monotonic())))
+        samples.append({side: round(mb, 1) for side, mb in rss_mb(process).items()})
 
 
 class Client:
@@ -196,10 +205,13 @@ def main(argv: list[str] | None = None) -> None:
             wait_healthy(url, server)
             adapters = list(assets["adapters"])
             warm = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra, args.seed))
-            rss_warm = rss_mb(server)
+            rss_warm, samples = rss_mb(server), []
+            sampler = threading.Thread(target=sample_rss, args=(server, samples, 60 * args.minutes), daemon=True)
             start = time.monotonic()
+            sampler.start()
             counts = asyncio.run(traffic(url, 60 * args.minutes, args.clients, adapters, extra, args.seed + 1000))
             seconds = time.monotonic() - start
+            sampler.join()
             idle = idle_state(url)
             rss_end = rss_mb(server)
             alive = server.poll() is None
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             server.wait(30)
     result = {"minutes": seconds / 60, "clients": args.clients, "warmup": _flat(warm), "counts": _flat(counts),
               "operations": sum(counts.values()), "idle": idle, "rss_mb_after_warmup": rss_warm,
-              "rss_mb_at_end": rss_end, "server_alive_at_end": alive,
+              "rss_mb_at_end": rss_end, "rss_mb_every_30_s": samples, "server_alive_at_end": alive,
               "checks": checks(counts, idle, rss_warm, rss_end, args.max_loras, args.rss_tolerance)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +58,7 @@ class ServedModels:
         self._roots = LoRAConfig(lora_dirs=lora_dirs)   # find_adapter_dir: the worker's own lookup rule
         self.created = int(time.time())
         self._adapters: dict[str, Adapter] = {}
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}   # name -> (lock, holders and waiters)
 
     @property
     def base_name(self) -> str:
@@ -79,9 +80,21 @@ class ServedModels:
     def remove(self, name: str) -> None:
         del self._adapters[name]
 
-    def lock(self, name: str) -> asyncio.Lock:
-        """Serialises loads and unloads of one adapter name."""
-        return self._locks[name]
+    @asynccontextmanager
+    async def lock(self, name: str) -> AsyncIterator[None]:
+        """Serialises loads and unloads of one adapter name. A name's lock lives only while someone holds or
+        awaits it, so names a client makes up leave nothing behind."""
+        lock, users = self._locks.get(name, (asyncio.Lock(), 0))
+        self._locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
 
     def resolve(self, model: str | None, may_load: bool = False) -> str | None:
         """The adapter a request's `model` names, None for the base model; 404 for an unknown name.
