@@ -4,16 +4,30 @@ Also `python -m gateway serve ...`. `demo` builds the embedded demo once (in a s
 `python -m worker.demo`, which prints its paths as JSON) and serves it with its adapters. Other
 subcommands come from the `loraplex.commands` entry points of installed packages (pyproject.toml
 registers `bench`): each is a `main(argv)` that gets every argument after its name.
+
+`serve` runs `GatewayServer`, uvicorn's server with the gateway's two ways to stop. SIGTERM or SIGINT
+drains: the listener closes, requests in flight get --shutdown-timeout seconds to finish (streams keep
+flowing), the rest end with a 503 (an error event, then [DONE], on a stream), the worker is stopped and the
+process exits 0; a second SIGINT stops at once. A worker that dies ends every request in flight with a
+500 error at once, /health answers 503 for WORKER_DEATH_GRACE_S, then the server stops and exits 1, so
+that an orchestrator restarts it (as vLLM exits when its engine dies).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any, Iterator
+
+import uvicorn
 
 from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module, runtime_lora_updating_from_env
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
@@ -23,6 +37,9 @@ logger = logging.getLogger("gateway")
 # timeouts a client can send on a connection the server is closing and get a connection reset.
 KEEP_ALIVE_S = 15
 COMMANDS_GROUP = "loraplex.commands"
+WORKER_DEATH_GRACE_S = 1.0      # /health answers 503 this long after the worker died, before the port closes
+FORCE_EXIT_MARGIN_S = 5         # past --shutdown-timeout, uvicorn cancels whatever request is left
+STARTUP_FAILURE = 3             # uvicorn's exit status when the lifespan fails to start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +107,9 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
         help="require `Authorization: Bearer <key>` on /v1 (default: $VLLM_API_KEY)")
     add("--max-request-body-bytes", type=int,
         help="refuse larger request bodies with 413 (default: --max-model-len x 128 bytes, at least 1 MiB)")
+    add("--shutdown-timeout", type=int, default=30,
+        help="seconds requests in flight may take to finish after SIGTERM or SIGINT; the rest then end "
+             "with a 503 error (default 30; 0 ends them at once)")
     add("--uvicorn-log-level", default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"))
 
@@ -114,18 +134,66 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(config: GatewayConfig) -> None:
-    """Run the HTTP server until interrupted; exits non-zero if the worker fails to start."""
-    import uvicorn
-
+    """Run the HTTP server until SIGTERM or SIGINT (exit 0) or the worker's death (exit 1); exits 3 if
+    the worker fails to start."""
     from gateway.app import build_app
     from gateway.worker_client import WorkerClient
 
+    client = WorkerClient(config.worker_config())
     try:
-        app = build_app(config, WorkerClient(config.worker_config()))
+        app = build_app(config, client)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                timeout_keep_alive=KEEP_ALIVE_S)
+    server = GatewayServer(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+        timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=config.shutdown_timeout + FORCE_EXIT_MARGIN_S),
+        client, config.shutdown_timeout)
+    server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
+    if client.failed:
+        sys.exit("The worker process died; the server stopped so that it can be restarted.")
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server that drains on SIGTERM and SIGINT, and stops when the worker dies."""
+
+    def __init__(self, config: uvicorn.Config, client: Any, shutdown_timeout: float):
+        super().__init__(config)
+        self.client = client                    # gateway.worker_client.WorkerClient
+        self.shutdown_timeout = shutdown_timeout
+        self._worker_failed_at: float | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's handlers, without raising the signal again once the drain is done: a drained server
+        exits 0, not killed by its own SIGTERM."""
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's check, ten times a second; also True WORKER_DEATH_GRACE_S after the worker died."""
+        if self.client.failed:
+            now = time.monotonic()
+            self._worker_failed_at = self._worker_failed_at or now
+            if now - self._worker_failed_at >= WORKER_DEATH_GRACE_S:
+                return True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        """uvicorn's shutdown (stop listening, wait for the connections, then the lifespan's end, which
+        stops the worker), with the worker client draining the requests in flight meanwhile."""
+        if not self.client.failed:
+            logger.info("Shutting down: requests in flight have %s s to finish.", self.shutdown_timeout)
+        drain = asyncio.ensure_future(self.client.drain(self.shutdown_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
 
 
 def _use_demo_assets(args: argparse.Namespace) -> None:

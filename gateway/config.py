@@ -80,6 +80,7 @@ class GatewayConfig:
     port: int = 8000
     api_key: str | None = None
     uvicorn_log_level: str = "info"
+    shutdown_timeout: int = 30                     # seconds requests in flight get after SIGTERM/SIGINT
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -122,4 +123,5 @@ class GatewayConfig:
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=args.seed,
             host=args.host, port=args.port,
             api_key=args.api_key, uvicorn_log_level=args.uvicorn_log_level,
+            shutdown_timeout=args.shutdown_timeout,
         )

@@ -25,7 +25,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundE
 UNSUPPORTED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "tools", "structured_outputs",
                       "guided_json", "guided_regex", "guided_choice", "guided_grammar", "suffix",
                       "prompt_embeds", "use_beam_search", "continue_final_message", "logits_processors",
-                      "chat_template")
+                      "chat_template", "truncate_prompt_tokens")
 
 
 class APIError(Exception):
@@ -255,8 +255,10 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
         _check(data.get(field) in (None, False, "", [], {}),
                f"`{field}` is not supported by this server.", field)
     response_format = data.get("response_format")
-    _check(not isinstance(response_format, dict) or response_format.get("type", "text") == "text",
+    _check(response_format is None or isinstance(response_format, dict) and response_format.get("type") == "text",
            "`response_format` other than {'type': 'text'} is not supported by this server.", "response_format")
+    _check(data.get("tool_choice") in (None, "none", "auto"),
+           "`tool_choice` must be 'none' or 'auto': tools are not supported by this server.", "tool_choice")
     if issubclass(type_, _GenerationRequest):
         _check_raw_generation(data)
     try:

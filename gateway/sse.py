@@ -4,6 +4,10 @@ A stream is `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`. An err
 has started is sent as one `data: {"error": {...}}` event before [DONE]. When the client goes away,
 sse-starlette cancels the generator; the cancellation reaches every worker stream underneath, whose
 cleanup (closing WorkerClient.generate(), which aborts the request in the worker) runs shielded.
+
+sse-starlette would also cancel every stream the moment uvicorn sees SIGTERM, cutting it mid-answer with
+no error event and no [DONE]. That is turned off here: on shutdown the server drains instead
+(WorkerClient.drain), and a stream it has to end gets an error event, then [DONE], like any other.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 import anyio
 import msgspec
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 from starlette.requests import Request
 
 from gateway.protocol import APIError
@@ -24,6 +29,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 _END = object()
+
+AppStatus.disable_automatic_graceful_drain()
 
 
 def event(payload: dict[str, Any]) -> bytes:

@@ -4,6 +4,10 @@ Everything runs on the gateway's event loop: outputs are read only in the reader
 worker -> gateway ring's wakeup fd, the process sentinel reports the worker's death, and sends that
 find the gateway -> worker ring full wait in order in a backlog flushed by that ring's space wakeup.
 This module must never import torch.
+
+Two ends: `drain()` then `shutdown()` is the orderly one (unhealthy at once, requests in flight given
+time, then the rest ended with a 503, the worker asked to exit); a worker that exits unasked ends every
+request in flight with a 500 error and leaves `failed` set, which the server turns into a non-zero exit.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from worker.ipc.shm_ring import ShmRing
 logger = logging.getLogger(__name__)
 
 DEAD_WORKER_STATUS = 503
+SHUTTING_DOWN = "The server is shutting down."
+SHUTTING_DOWN_STATUS = 503
 
 
 class WorkerStartupError(RuntimeError):
@@ -43,6 +49,9 @@ class WorkerClient:
         self.ready: Ready | None = None
         self.stats = Stats(num_running=0, num_waiting=0)
         self._alive = False                  # process running and rings open
+        self._draining = False               # drain() began: /health answers 503
+        self._accepting = True               # False once the drain's time is up: requests get 503
+        self._stopping = False               # Shutdown sent: the worker's exit is expected
         self._death_message = "The worker process is not running."
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToGateway)
@@ -55,8 +64,13 @@ class WorkerClient:
 
     @property
     def healthy(self) -> bool:
-        """True from Ready until the worker exits."""
-        return self._alive and self.ready is not None
+        """True from Ready until the worker exits or the drain begins."""
+        return self._alive and not self._draining and self.ready is not None
+
+    @property
+    def failed(self) -> bool:
+        """True once the worker has exited without being asked to (killed, crashed)."""
+        return self._process is not None and not self._alive and not self._stopping
 
     async def start(self) -> Ready:
         """Spawn the worker and wait for Ready; raises WorkerStartupError with the worker's message."""
@@ -94,6 +108,9 @@ class WorkerClient:
         request_id = request.request_id
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already in flight.")
+        if not self._accepting:
+            yield _shutting_down_output(request_id)
+            return
         if not self._alive:
             yield self._error_output(request_id)
             return
@@ -119,6 +136,9 @@ class WorkerClient:
                               pinned: bool = False) -> AdapterCommandResult:
         """Load or unload an adapter in the worker; a dead worker answers ok=False, status 503."""
         command_id = next(self._command_ids)
+        if not self._accepting:
+            return AdapterCommandResult(command_id, ok=False, message=SHUTTING_DOWN,
+                                        status_code=SHUTTING_DOWN_STATUS)
         if not self._alive:
             return AdapterCommandResult(command_id, ok=False, message=self._death_message,
                                         status_code=DEAD_WORKER_STATUS)
@@ -130,10 +150,27 @@ class WorkerClient:
         finally:
             self._commands.pop(command_id, None)
 
+    async def drain(self, timeout: float) -> None:
+        """Report unhealthy from now on; after `timeout` seconds, end the requests still in flight with a
+        503 error (aborting them in the worker) and refuse later ones and adapter commands the same way.
+
+        The server stops listening before it drains, so what arrives meanwhile was received before, and is
+        served. The server cancels the drain once every request has finished.
+        """
+        self._draining = True
+        await asyncio.sleep(timeout)
+        self._accepting = False
+        if self._queues:
+            logger.warning("Ending %d request(s) still in flight: the shutdown timeout passed.", len(self._queues))
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(_shutting_down_output(request_id))
+            self.abort(request_id)
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit, kill it after `timeout` seconds, and remove the shared memory."""
         if self._process is None:
             return
+        self._stopping = self._stopping or self._alive     # a worker that died first still counts as failed
         self._send(Shutdown())
         try:
             await asyncio.wait_for(asyncio.shield(self._exited), timeout)
@@ -204,7 +241,7 @@ class WorkerClient:
         self._on_worker_readable()
         code = self._process.exitcode
         self._death_message = f"The worker process died (exit code {code})."
-        if code != 0:
+        if not self._stopping:
             logger.error(self._death_message)
         self._alive = False
         self._release_rings()
@@ -231,3 +268,8 @@ class WorkerClient:
 
     def _error_output(self, request_id: str) -> RequestOutput:
         return RequestOutput(request_id, [], finish_reason="error", error=self._death_message)
+
+
+def _shutting_down_output(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, [], finish_reason="error", error=SHUTTING_DOWN,
+                         status_code=SHUTTING_DOWN_STATUS)

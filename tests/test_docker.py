@@ -112,6 +112,31 @@ def test_gpu_service_serves_the_mounted_model_and_reads_adapters_only_from_their
     assert all(v["read_only"] and not v["bind"]["create_host_path"] for v in mounts.values())
 
 
+def grace_seconds(duration: str) -> float:
+    """A compose duration such as `45s` or `1m30s`, in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts and duration, f"unreadable duration {duration!r}"
+    return int(parts.group(1) or 0) * 60 + int(parts.group(2) or 0)
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_stop_grace_period_outlasts_the_shutdown_drain(parser, name):
+    """`docker stop` sends SIGTERM, then SIGKILL after the grace period (10 s unless set): the drain
+    (--shutdown-timeout, then at most uvicorn's margin) must end first."""
+    from gateway.__main__ import FORCE_EXIT_MARGIN_S
+
+    args = parse(parser, name)
+    assert grace_seconds(SERVICES[name].get("stop_grace_period", "10s")) > args.shutdown_timeout + FORCE_EXIT_MARGIN_S
+
+
+def test_gpu_service_is_restarted_when_its_worker_dies():
+    """The server exits 1 when its worker dies, for the restart policy to bring it back; until then
+    /health, which the healthcheck reads, answers 503."""
+    service = SERVICES["loraplex"]
+    assert service["restart"] in ("unless-stopped", "always", "on-failure")
+    assert "/health" in healthcheck_text(service)
+
+
 def test_demo_needs_no_host_directory():
     demo = SERVICES["demo"]
     assert demo["profiles"] == ["demo"]

@@ -165,9 +165,11 @@ def _start_and_serve(worker: Worker, config: WorkerConfig, engine_factory: str) 
         sys.exit(1)
     worker.send(Ready(engine.max_model_len, engine.vocab_size, list(engine.eos_token_ids), engine.num_kv_blocks))
     worker.flush()
-    # From here the gateway decides when the worker stops (Shutdown, or its own exit): a terminal's Ctrl+C
-    # reaches the whole process group, and must not kill the worker under requests the gateway still drains.
+    # From here the gateway decides when the worker stops (Shutdown, or its own exit): a terminal's Ctrl+C,
+    # or a SIGTERM sent to the whole process group, must not kill the worker under requests the gateway
+    # still drains.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logger.info("Worker ready: max_model_len=%d, %d KV blocks", engine.max_model_len, engine.num_kv_blocks)
     worker.serve(engine)
     logger.info("Worker shut down.")

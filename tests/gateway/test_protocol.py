@@ -145,14 +145,15 @@ def test_serve_accepts_vllm_flags():
         "--max-num-seqs", "128", "--max-num-batched-tokens", "8192", "--host", "0.0.0.0", "--port", "9000",
         "--api-key", "k", "--device", "cpu", "--dtype", "bfloat16", "--load-format", "dummy", "--enforce-eager",
         "--seed", "3", "--lora-dir", "/l1", "--lora-dir", "/l2", "--uvicorn-log-level", "warning",
-        "--block-size", "32", "--gpu-memory-utilization", "0.8", "--enable-lora", "--no-async-scheduling"])
+        "--block-size", "32", "--gpu-memory-utilization", "0.8", "--enable-lora", "--no-async-scheduling",
+        "--shutdown-timeout", "7"])
     config = GatewayConfig.from_args(args)
     assert config == GatewayConfig(
         model="/m", served_model_names=("a", "b"), lora_modules=(LoRAModulePath("x", "/x"), LoRAModulePath("y", "/y")),
         lora_dirs=("/l1", "/l2"), max_loras=8, max_cpu_loras=32, max_lora_rank=64, max_model_len=4096,
         max_num_seqs=128, max_num_batched_tokens=8192, block_size=32, gpu_memory_utilization=0.8, device="cpu",
         dtype="bfloat16", load_format="dummy", enforce_eager=True, async_scheduling=False, seed=3, host="0.0.0.0",
-        port=9000, api_key="k", uvicorn_log_level="warning")
+        port=9000, api_key="k", uvicorn_log_level="warning", shutdown_timeout=7)
     worker = config.worker_config()
     assert (worker.model.path, worker.model.dtype, worker.model.load_format, worker.model.max_model_len) == \
         ("/m", "bfloat16", "dummy", 4096)

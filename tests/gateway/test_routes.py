@@ -196,6 +196,16 @@ BAD_CHATS = [
      "Stream options can only be defined when `stream=True`."),
     (chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
      "`tools` is not supported by this server."),
+    (chat_body(tool_choice="sometimes"), "tool_choice",
+     "`tool_choice` must be 'none' or 'auto': tools are not supported by this server."),
+    (chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice",
+     "`tool_choice` must be 'none' or 'auto'"),
+    (chat_body(response_format="json"), "response_format",
+     "`response_format` other than {'type': 'text'} is not supported by this server."),
+    (chat_body(response_format={"type": "json_object"}), "response_format",
+     "`response_format` other than {'type': 'text'}"),
+    (chat_body(truncate_prompt_tokens=4), "truncate_prompt_tokens",
+     "`truncate_prompt_tokens` is not supported by this server."),
 ]
 
 

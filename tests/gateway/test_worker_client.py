@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.worker_client import WorkerClient, WorkerStartupError
+from gateway.worker_client import SHUTTING_DOWN, WorkerClient, WorkerStartupError
 from tests.gateway import fake_engine
 from worker.config import ModelConfig, SchedulerConfig, WorkerConfig
 from multiprocessing.connection import Connection
@@ -183,7 +183,7 @@ async def test_killed_worker_ends_inflight_requests_with_an_error(client):
     assert outputs[-1] == RequestOutput("victim", [], finish_reason="error",
                                         error=f"The worker process died (exit code {-signal.SIGKILL}).")
     assert all(o.finish_reason is None for o in outputs[:-1])
-    assert not client.healthy
+    assert not client.healthy and client.failed
     assert own_segments() == []
     after = await client.adapter_command("load", "sql", "/adapters/sql")
     assert (after.ok, after.status_code) == (False, 503)
@@ -195,10 +195,45 @@ async def test_shutdown_stops_the_worker_and_frees_shared_memory(client):
     assert len(own_segments()) == 2
     pid = client.pid
     await client.shutdown()
-    assert not client.healthy
+    assert not client.healthy and not client.failed
     assert own_segments() == []
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def shutting_down(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, [], finish_reason="error", error=SHUTTING_DOWN, status_code=503)
+
+
+async def test_requests_in_flight_finish_while_draining(client):
+    running = asyncio.create_task(collect(client, add_request("running", [4], max_tokens=50)))
+    await wait_until(lambda: client.stats.num_running == 1)
+    drain = asyncio.create_task(client.drain(timeout=30))
+    await asyncio.sleep(0)
+    assert not client.healthy
+    received_before = await collect(client, add_request("received-before", [5], max_tokens=3))
+    outputs = await running
+    assert [t for o in outputs for t in o.new_token_ids] == expected_tokens([4], 50)
+    assert outputs[-1].finish_reason == "length"
+    assert [t for o in received_before for t in o.new_token_ids] == expected_tokens([5], 3)
+    assert not drain.done()
+    drain.cancel()
+    assert not client.failed
+
+
+async def test_drain_ends_requests_left_at_the_timeout_and_refuses_later_ones(client):
+    stream = client.generate(add_request("endless", [9], max_tokens=10**9))
+    first = await anext(stream)
+    start = asyncio.get_running_loop().time()
+    await client.drain(timeout=0.3)
+    assert asyncio.get_running_loop().time() - start >= 0.3
+    rest = [output async for output in stream]
+    assert rest[-1] == shutting_down("endless")
+    assert first.finish_reason is None and all(o.finish_reason is None for o in rest[:-1])
+    await wait_until(lambda: client.stats.num_running == 0)      # aborted in the worker
+    assert await collect(client, add_request("late", [1], 3)) == [shutting_down("late")]
+    refused = await client.adapter_command("load", "sql", "/adapters/sql")
+    assert (refused.ok, refused.status_code, refused.message) == (False, 503, SHUTTING_DOWN)
 
 
 async def test_worker_exits_when_the_gateway_dies():
