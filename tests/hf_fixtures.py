@@ -54,14 +54,21 @@ def _randomize_extras(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 
 def build_hf_model(arch: str, root: Path) -> Path:
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_hf_config(arch), dtype=torch.float32)
     _randomize_extras(model, torch.Generator().manual_seed(1))
     model_dir = root / arch
     model.save_pretrained(model_dir, safe_serialization=True)
-    for i, spec in enumerate(ADAPTERS):
+    _save_adapters(model_dir, ADAPTERS)
+    return model_dir
+
+
+def _save_adapters(model_dir: Path, adapters: tuple[FixtureAdapter, ...]) -> None:
+    """Each of `adapters` made with PEFT on the checkpoint in `model_dir`, saved beside it (adapter_dir)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    for i, spec in enumerate(adapters):
         torch.manual_seed(100 + i)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets),
@@ -72,8 +79,7 @@ def build_hf_model(arch: str, root: Path) -> Path:
             for name, p in peft_model.named_parameters():
                 if "lora_B" in name:
                     p.mul_(20.0)
-        peft_model.save_pretrained(root / f"{arch}-{spec.name}")
-    return model_dir
+        peft_model.save_pretrained(adapter_dir(model_dir, spec.name))
 
 
 def adapter_dir(model_dir: Path, name: str) -> Path:
@@ -104,23 +110,29 @@ def _hf_moe_config(arch: str):
 
 def build_hf_moe_model(arch: str, root: Path) -> Path:
     """A tiny random MoE checkpoint as transformers saves it, with MOE_ADAPTERS (attention only) beside it."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_hf_moe_config(arch), dtype=torch.float32)
     _randomize_extras(model, torch.Generator().manual_seed(1))
     model_dir = root / arch
     model.save_pretrained(model_dir, safe_serialization=True)
-    for i, spec in enumerate(MOE_ADAPTERS):
-        torch.manual_seed(100 + i)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets),
-                         rank_pattern=spec.rank_pattern or {}, alpha_pattern=spec.alpha_pattern or {},
-                         init_lora_weights=False, lora_dropout=0.0)
-        peft_model = get_peft_model(base, cfg)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.mul_(20.0)
-        peft_model.save_pretrained(root / f"{arch}-{spec.name}")
+    _save_adapters(model_dir, MOE_ADAPTERS)
     return model_dir
+
+
+def capture_sampled_logits(engine, on_batch=None) -> dict[str, list[torch.Tensor]]:
+    """Wrap engine.runner.execute so the logits row of every sampling sequence is kept, per request id in step
+    order; `on_batch(batch)`, when given, sees each batch before it runs."""
+    logits: dict[str, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def capture(batch, prev=None):
+        if on_batch is not None:
+            on_batch(batch)
+        out = execute(batch, prev)
+        for seq, row in zip((s for s in batch.seqs if s.samples), out.logits):
+            logits.setdefault(seq.request.request_id, []).append(row.clone())
+        return out
+
+    engine.runner.execute = capture
+    return logits

@@ -202,8 +202,7 @@ class Engine:
             request = self.scheduler.get_request(request_id)
             if request is not None:
                 request.prompt_logprobs += scored
-        sampling = [s.request.request_id for s in batch.seqs if s.samples]
-        logprobs = dict(zip(sampling, result.logprobs))
+        logprobs = dict(zip((r.request_id for r in sampled), result.logprobs))
         updated = self.scheduler.tokens_arrived(batch, result.token_ids)
         outputs += [self._output(request, logprobs) for request in updated]
         for request in updated:

@@ -6,7 +6,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.hf_fixtures import ADAPTERS, adapter_dir
+from tests.hf_fixtures import ADAPTERS, adapter_dir, capture_sampled_logits
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
@@ -56,17 +56,9 @@ def run_engine(model_dir, prompts, **sched) -> tuple[Engine, dict, dict]:
     engine = Engine(config)
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
-    logits: dict[str, list[torch.Tensor]] = defaultdict(list)
-    execute = engine.runner.execute
-
-    def capture(batch, prev=None):
+    def count_preemptions(batch):
         engine.preemptions_seen = getattr(engine, "preemptions_seen", 0) + len(batch.preempted)
-        out = execute(batch, prev)
-        for seq, row in zip((s for s in batch.seqs if s.samples), out.logits):
-            logits[seq.request.request_id].append(row.clone())
-        return out
-
-    engine.runner.execute = capture
+    logits = capture_sampled_logits(engine, count_preemptions)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_DECODE + 1, ignore_eos=True)
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts, ROWS)):
         engine.add_request(f"r{i}", prompt, params, adapter)

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.hf_fixtures import MOE_ADAPTERS, adapter_dir
+from tests.hf_fixtures import MOE_ADAPTERS, adapter_dir, capture_sampled_logits
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
@@ -63,16 +63,7 @@ def run_engine(model_dir: Path, prompts, load_format: str = "auto", adapters: bo
     if adapters:
         for spec in MOE_ADAPTERS:
             engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
-    logits: dict[str, list[torch.Tensor]] = defaultdict(list)
-    execute = engine.runner.execute
-
-    def capture(batch, prev=None):
-        out = execute(batch, prev)
-        for seq, row in zip((s for s in batch.seqs if s.samples), out.logits):
-            logits[seq.request.request_id].append(row.clone())
-        return out
-
-    engine.runner.execute = capture
+    logits = capture_sampled_logits(engine)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_DECODE + 1, ignore_eos=True)
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts, ROWS)):
         engine.add_request(f"r{i}", prompt, params, adapter if adapters else None)
