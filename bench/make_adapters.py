@@ -1,6 +1,11 @@
 """Random PEFT LoRA adapters for any model config, written straight to safetensors (no model build).
 
     python -m bench.make_adapters --config bench/configs/llama-3.1-8b --out /tmp/adapters --num 32 --rank 16
+    python -m bench.make_adapters --config bench/configs/qwen3-30b-a3b --out /tmp/adapters --targets q_proj,k_proj,v_proj,o_proj,experts
+
+On a mixture-of-experts model the MLP targets are the dense layers' and "experts" adapts every expert of the
+sparse layers as PEFT's target_parameters does (mlp.experts.gate_up_proj and down_proj, one rank-r pair per
+expert; the tensor layout is lora/formats.py's format (a)).
 """
 from __future__ import annotations
 
@@ -26,7 +31,11 @@ def make_adapter(path: Path, arch: ArchConfig, rank: int, targets=ALL_TARGETS, s
     shapes = module_shapes(arch)
     tensors = {}
     for layer in range(arch.num_layers):
+        if "experts" in targets and arch.is_moe and arch.is_sparse_layer(layer):
+            tensors.update(_expert_tensors(arch, layer, rank, gen, dtype, device))
         for target in targets:
+            if target == "experts" or (arch.is_moe and arch.is_sparse_layer(layer) and target not in ALL_TARGETS[:4]):
+                continue
             fan_in, fan_out = shapes[target]
             block = "self_attn" if target in ALL_TARGETS[:4] else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
@@ -36,10 +45,28 @@ def make_adapter(path: Path, arch: ArchConfig, rank: int, targets=ALL_TARGETS, s
             tensors[f"{prefix}.lora_B.weight"] = b.to(dtype).cpu()
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets),
-              "bias": "none", "use_rslora": False, "use_dora": False, "task_type": "CAUSAL_LM"}
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+              "target_modules": [t for t in targets if t != "experts"], "bias": "none", "use_rslora": False,
+              "use_dora": False, "task_type": "CAUSAL_LM"}
+    if "experts" in targets:
+        config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def _expert_tensors(arch: ArchConfig, layer: int, rank: int, gen: torch.Generator, dtype: torch.dtype,
+                    device: str) -> dict[str, torch.Tensor]:
+    """PEFT target_parameters tensors of one sparse layer: gate_up A [r*E, H], B [2I, r*E]; down A [r*E, I],
+    B [H, r*E] (expert e: A rows e*r:(e+1)*r, B columns e::E)."""
+    e, h, i = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+    prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+    tensors = {}
+    for name, fan_in, fan_out in ((f"{prefix}.base_layer", h, 2 * i), (prefix, i, h)):
+        a = torch.randn(rank * e, fan_in, generator=gen, device=device) / fan_in ** 0.5
+        b = torch.randn(fan_out, rank * e, generator=gen, device=device) / rank ** 0.5
+        tensors[f"{name}.lora_A.weight"] = a.to(dtype).cpu()
+        tensors[f"{name}.lora_B.weight"] = b.to(dtype).cpu()
+    return tensors
 
 
 def main() -> None:

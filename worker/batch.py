@@ -65,6 +65,9 @@ class LoRABatchInfo:
     ranks: "torch.Tensor"           # [max_loras] int32; rank of the adapter in each slot (0 = empty)
     max_rank: int                   # max over slots used this step (host-side; 0 skips LoRA entirely)
     max_seg_len: int = 0            # longest segment (host-side; sizes the kernels' grids)
+    # [num_tokens] int32 on the device: the slot of each token row (-1: base only, padding rows included);
+    # what the MoE-LoRA kernels read (kernels/moe_lora.py), as experts regroup tokens across segments
+    token_slots: "torch.Tensor | None" = None
     # LoRA kernels may run on the side stream beside the base GEMMs (layers/linear.py): CUDA-graph batches
     # only, whose host cost is paid once at capture. Eager steps are bound by the host's launches, and the
     # fork and join would add to them while saving device time nobody waits for.
@@ -73,6 +76,7 @@ class LoRABatchInfo:
     seg_indptr_host: list[int] = field(default_factory=list)
     weight_indices_host: list[int] = field(default_factory=list)
     ranks_host: list[int] = field(default_factory=list)
+    token_slots_host: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -91,6 +95,23 @@ class LoRAWeights:
     @property
     def num_slices(self) -> int:
         return len(self.slice_offsets) - 1
+
+
+@dataclass
+class MoELoRAWeights:
+    """One MoE layer's expert LoRA over every slot (strided views of the slot pool, lora/gpu_pool.py).
+
+    R = max_lora_rank, E experts, H hidden, I the expert intermediate size, S slots. Ranks below R are
+    zero-padded (A rows and B columns past the rank are zero), so a kernel may run every slot at R or at
+    the slot's own rank (LoRABatchInfo.ranks) with the same result. Slice order: gate 0, up 1, down 2.
+    """
+    gate_up_a: "torch.Tensor"     # [S, E, 2 * R, H]: gate rows [0, R), up rows [R, 2R)
+    gate_up_b: "torch.Tensor"     # [S, E, 2 * I, R]: gate rows [0, I) (read with xa[:, :R]), up rows [I, 2I)
+    down_a: "torch.Tensor"        # [S, E, R, I]
+    down_b: "torch.Tensor"        # [S, E, H, R]
+    scalings: "torch.Tensor"      # [S, 3] float32: gate, up, down; 0 where the projection is not adapted
+    shared_outer: "torch.Tensor"  # [S] int32: 1 where gate_up_a[w, 0] and down_b[w, 0] serve every expert
+                                  # (x @ A once per token, not once per (token, expert))
 
 
 @dataclass

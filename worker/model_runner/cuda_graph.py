@@ -9,7 +9,9 @@ those that want prompt logprobs, run eagerly.
 
 Each bucket has two graphs: with LoRA (the shrink/expand kernels read the slot of every segment
 from device memory, so any adapter or rank mix replays without recapture) and without (no LoRA
-launches when no sequence has an adapter). Inputs live in the input builder's persistent buffers.
+launches when no sequence has an adapter). Inputs live in the input builder's persistent buffers; every
+graph writes its logits into one shared buffer ([max_num_seqs, vocab] float32), so the graphs' pool holds
+one graph's working set, not one set of logits per graph (what the memory plan reserves).
 """
 from __future__ import annotations
 
@@ -54,6 +56,12 @@ class CUDAGraphRunner:
         self.graphs: dict[tuple[str, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = {"decode": 0, "mixed": 0}
         self.pool = None
+        self.logits = None          # [max_num_seqs, vocab] float32, allocated at the first capture
+
+    @staticmethod
+    def num_graphs(max_num_seqs: int, max_mixed_tokens: int) -> int:
+        """How many graphs capture() makes (two per bucket: with and without LoRA)."""
+        return 2 * (len(graph_buckets(max_num_seqs)) + len(mixed_token_buckets(max_mixed_tokens)))
 
     def mixed_seqs(self, tokens: int) -> int:
         """Sequences a mixed graph of `tokens` tokens is padded to: every sequence has a token."""
@@ -84,9 +92,13 @@ class CUDAGraphRunner:
             for _ in range(2):
                 self.model(batch, self.kv_caches)
         torch.cuda.current_stream().wait_stream(stream)
+        if self.logits is None:
+            vocab = self.model.lm_head.weight.shape[0]
+            self.logits = torch.empty(self.max_num_seqs, vocab, dtype=torch.float32, device=batch.input_ids.device)
+        rows = len(batch.logits_indices)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(batch, self.kv_caches)   # [sequences, vocab]
+            logits = self.model(batch, self.kv_caches, out=self.logits[:rows])   # [sequences, vocab]
         self.pool = graph.pool()
         return graph, logits
 

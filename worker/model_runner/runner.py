@@ -10,10 +10,11 @@ import torch
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
 from worker.ipc.messages import SamplingParams, TokenLogprob
-from worker.kv_cache.kv_pool import KVPool
+from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
+from worker.model_runner.memory_plan import GRAPH_ALLOWANCE_BYTES, MemoryLimits, MemoryPlan, plan_memory
 from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow, compute_logprobs
 from worker.models.hf_config import ArchConfig
 from worker.models.registry import build_model
@@ -55,29 +56,64 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
         self.device, self.dtype = device, dtype
-        m = config.model
+        self.plan: MemoryPlan | None = None     # None when the configuration fixes the KV pool's size
+        free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        m, sched, cache = config.model, config.scheduler, config.cache
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.kernels.lora_side_stream)
-        self.kv_pool = KVPool(arch, config.cache, dtype, device, max_model_len)
-        sched = config.scheduler
-        max_blocks = -(-max_model_len // config.cache.block_size)
+        max_blocks = -(-max_model_len // cache.block_size)
         self.input_builder = InputBuilder(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
-                                          config.cache.block_size, device, self.lora_pool.ranks_host,
+                                          cache.block_size, device, self.lora_pool.ranks_host,
                                           self.lora_pool.ranks)
         self.sampler = Sampler(arch.vocab_size, seed=m.seed, device=device, eos_token_ids=list(arch.eos_token_ids))
+        use_graphs = device.type == "cuda" and not config.enforce_eager
+        graph_tokens = min(config.mixed_graph_max_tokens, sched.max_num_batched_tokens)
+        num_blocks = fixed_num_blocks(arch, cache, dtype, device)
+        if num_blocks is None:
+            self.plan = self._plan_memory(config, arch, max_model_len, free_at_start, use_graphs, graph_tokens)
+            num_blocks = self.plan.kv // bytes_per_block(arch, cache.block_size, dtype)
+        self.kv_pool = KVPool(arch, cache.block_size, num_blocks, dtype, device)
+        logger.info(self.kv_pool.describe(max_model_len))
         self.graph_runner = None
         if device.type == "cuda":
-            self._warm_up(config.cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80),
-                          sched.max_num_seqs)
-        if device.type == "cuda" and not config.enforce_eager and arch.is_moe:
+            self._warm_up(cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80), sched.max_num_seqs)
+        if use_graphs and arch.is_moe:
             logger.info("%s runs eagerly (as with --enforce-eager): its MoE layers have no graph-safe kernels yet",
                         arch.architecture)
-        elif device.type == "cuda" and not config.enforce_eager:
+        elif use_graphs:
+            free_before = torch.cuda.mem_get_info(device)[0]
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
-                                                sched.max_num_seqs,
-                                                min(config.mixed_graph_max_tokens, sched.max_num_batched_tokens))
+                                                sched.max_num_seqs, graph_tokens)
             self.graph_runner.capture()
+            taken = free_before - torch.cuda.mem_get_info(device)[0]
+            logger.info("CUDA graphs took %.2f GiB (%s)", taken / 2**30,
+                        f"planned {self.plan.graphs / 2**30:.2f} GiB" if self.plan else "no memory plan")
+
+    def _plan_memory(self, config: WorkerConfig, arch: ArchConfig, max_model_len: int, free_at_start: int,
+                     use_graphs: bool, graph_tokens: int) -> MemoryPlan:
+        """Profile the largest steps the flags allow and plan the device's memory (model_runner/memory_plan.py)."""
+        sched, cache, device = config.scheduler, config.cache, self.device
+        activations = self._profile_peak(arch, cache.block_size, sched.max_num_batched_tokens, sched.max_num_seqs,
+                                         eager=True)
+        graphs = 0
+        if use_graphs:    # the largest graph's forward, in the graphs' own pool, and their shared logits
+            tokens = min(sched.max_num_batched_tokens, max(graph_tokens, sched.max_num_seqs))
+            graphs = (self._profile_peak(arch, cache.block_size, tokens, sched.max_num_seqs, eager=False)
+                      + sched.max_num_seqs * arch.vocab_size * 4
+                      + CUDAGraphRunner.num_graphs(sched.max_num_seqs, graph_tokens) * GRAPH_ALLOWANCE_BYTES)
+        torch.cuda.empty_cache()
+        free_now, total = torch.cuda.mem_get_info(device)
+        plan = plan_memory(
+            total=total, free_at_start=free_at_start, free_now=free_now,
+            torch_reserved=torch.cuda.memory_reserved(device),
+            weights=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            lora_slots=self.lora_pool.num_bytes, moe_buffers=0, activations=activations, graphs=graphs,
+            kv_bytes_per_token=bytes_per_block(arch, cache.block_size, self.dtype) // cache.block_size,
+            limits=MemoryLimits(cache.gpu_memory_utilization, max_model_len, sched.max_num_seqs,
+                                sched.max_num_batched_tokens, config.lora.max_loras))
+        logger.info(plan.summary())
+        return plan
 
     @property
     def num_kv_blocks(self) -> int:
@@ -102,6 +138,37 @@ class ModelRunner:
         if not rows:
             return StepHandle(logits, None, prompt_logprobs)
         return StepHandle(logits, self.sampler(logits, rows, prev_tokens).copy_to_host(), prompt_logprobs)
+
+    @torch.inference_mode()
+    def _profile_peak(self, arch: ArchConfig, block_size: int, tokens: int, max_seqs: int, eager: bool) -> int:
+        """Device bytes a step of `tokens` tokens over min(max_seqs, tokens) sequences takes above what is
+        allocated before it: the forward with LoRA on and, for an `eager` step, the long sequence scoring its
+        whole prompt (prompt logprobs) and every sequence sampling with the costliest settings (top-p, top-k,
+        penalties, logprobs); a graph holds the forward alone. K/V go to a temporary pool freed afterwards."""
+        seqs = min(max_seqs, tokens)
+        lens = [tokens - seqs + 1] + [1] * (seqs - 1)
+        kv = KVPool(arch, block_size, sum(-(-n // block_size) for n in lens), self.dtype, self.device)
+        batch, first_block = ScheduledBatch(), 0
+        for i, n in enumerate(lens):
+            params = SamplingParams(max_tokens=1, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5,
+                                    prompt_logprobs=5 if eager and i == 0 else None)
+            request = Request(f"profile-{i}", [0] * n, params, 0)
+            request.block_ids = list(range(first_block, first_block + -(-n // block_size)))
+            first_block += len(request.block_ids)
+            batch.seqs.append(ScheduledSeq(request, 0, n, 0))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        forward_batch = self.input_builder.build(batch, lora=True)
+        logits = self.model(forward_batch, kv.caches)
+        if eager:
+            self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
+            logits = logits[len(logits) - len(forward_batch.sample_rows):]
+            rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, []) for s in batch.seqs]
+            self.sampler(logits, rows, None).copy_to_host().wait()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del kv, logits, forward_batch
+        return peak
 
     @torch.inference_mode()
     def _warm_up(self, block_size: int, long_len: int, max_seqs: int) -> None:

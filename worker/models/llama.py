@@ -128,12 +128,15 @@ class LlamaForCausalLM(nn.Module):
         block = self.layers[layer]
         return getattr(block.self_attn if name in ("qkv_proj", "o_proj") else block.mlp, name)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Returns logits [num_sampled, vocab] (float32) for batch.logits_indices."""
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns logits [num_logits, vocab] (float32) for batch.logits_indices, written into `out` when given
+        (the CUDA graphs' shared logits buffer)."""
         h = self.embed_tokens(batch.input_ids)                     # [num_tokens, hidden]
         h_lora, residual = None, None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, h_lora, residual = layer(h, h_lora, residual, kv_cache, batch)
         rows = batch.logits_indices
         h = self.norm(h[rows], residual[rows], None if h_lora is None else h_lora[rows])   # [num_logits, hidden]
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)                                    # [num_logits, vocab]
+        return logits.float() if out is None else out.copy_(logits)
