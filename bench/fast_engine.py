@@ -41,7 +41,8 @@ class FastEngine(EngineInterface):
         self._requests: dict[str, FastRequest] = {}
         self._adapters: dict[str, AdapterState] = {}
 
-    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
+    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
+                    warm: bool = False) -> None:
         previous = self._adapters.get(name)
         version = previous.version + 1 if previous is not None else 1
         self._adapters[name] = AdapterState(name=name, path=path, version=version, residency="gpu", rank=0,

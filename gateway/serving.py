@@ -69,7 +69,8 @@ class ServingContext:
         """Start the worker, then load the --lora-modules adapters; raises with the worker's message."""
         await self.client.start()
         for module in self.config.lora_modules:
-            result = await self.client.adapter_command("load", module.name, module.path, pinned=module.pinned)
+            result = await self.client.adapter_command("load", module.name, module.path, pinned=module.pinned,
+                                                       warm=True)
             if not result.ok:
                 raise RuntimeError(f"Failed to load LoRA adapter '{module.name}' from {module.path}: "
                                    f"{result.message}")

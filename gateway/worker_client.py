@@ -133,7 +133,7 @@ class WorkerClient:
         self._send(AbortRequest(request_id))
 
     async def adapter_command(self, op: str, name: str, path: str | None = None, load_inplace: bool = False,
-                              pinned: bool = False) -> AdapterCommandResult:
+                              pinned: bool = False, warm: bool = False) -> AdapterCommandResult:
         """Load or unload an adapter in the worker; a dead worker answers ok=False, status 503."""
         command_id = next(self._command_ids)
         if not self._accepting:
@@ -145,7 +145,7 @@ class WorkerClient:
         future: asyncio.Future[AdapterCommandResult] = self._loop.create_future()
         self._commands[command_id] = future
         try:
-            await self._send_in_order(AdapterCommand(command_id, op, name, path, load_inplace, pinned))
+            await self._send_in_order(AdapterCommand(command_id, op, name, path, load_inplace, pinned, warm))
             return await future
         finally:
             self._commands.pop(command_id, None)

@@ -116,7 +116,7 @@ class Worker:
                 return AdapterCommandResult(command.command_id, ok=True, adapters=engine.adapter_states())
             if command.op == "load":
                 engine.add_adapter(command.name, command.path, load_inplace=command.load_inplace,
-                                   pinned=command.pinned)
+                                   pinned=command.pinned, warm=command.warm)
             else:
                 engine.remove_adapter(command.name)
         except Exception as e:

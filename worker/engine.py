@@ -95,9 +95,11 @@ class Engine:
 
     # adapters
 
-    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
-        """Validate and register an adapter; its weights are read when a request first needs them."""
-        self.adapters.add(name, path, load_inplace=load_inplace, pinned=pinned)
+    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
+                    warm: bool = False) -> None:
+        """Validate and register an adapter; its weights are read when a request first needs them, or now,
+        beside the steps, into the host cache when `warm` and the cache has room (--lora-modules)."""
+        self.adapters.add(name, path, load_inplace=load_inplace, pinned=pinned, warm=warm)
 
     def remove_adapter(self, name: str) -> None:
         """Unregister `name`: new requests get 404, unfinished ones finish, then its memory is freed."""

@@ -55,7 +55,8 @@ class EngineInterface(Protocol):
         """Adapters of the waiting requests, sorted."""
 
     @abstractmethod
-    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
+    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
+                    warm: bool = False) -> None:
         """Register an adapter directory under `name`; an error with a `status_code` if refused."""
 
     @abstractmethod

@@ -52,7 +52,8 @@ class FakeEngine(EngineInterface):
         self._waiting: dict[str, FakeRequest] = {}
         self._adapters: dict[str, AdapterState] = {}
 
-    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
+    def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
+                    warm: bool = False) -> None:
         previous = self._adapters.get(name)
         if previous is not None and not load_inplace:
             raise FakeAdapterError(f"The lora adapter '{name}' has already been loaded.", 400)

@@ -54,6 +54,7 @@ class FakeWorkerClient:
         self.aborted: list[str] = []
         self.adapter_commands: list[tuple[str, str, str | None, bool, bool]] = []
         self.adapter_results: dict[str, AdapterCommandResult] = {}   # name -> answer; default ok
+        self.warm_loads: list[str] = []          # names loaded with warm=True (the --lora-modules adapters)
         self.error: str | None = None       # set: every request ends at once with this error, as on worker death
         self.error_status: int | None = None   # the HTTP status the worker gives that error (None: none given)
         self.shut_down = False
@@ -68,8 +69,9 @@ class FakeWorkerClient:
         self.shut_down, self.healthy = True, False
 
     async def adapter_command(self, op: str, name: str, path: str | None = None, load_inplace: bool = False,
-                              pinned: bool = False) -> AdapterCommandResult:
+                              pinned: bool = False, warm: bool = False) -> AdapterCommandResult:
         self.adapter_commands.append((op, name, path, load_inplace, pinned))
+        self.warm_loads += [name] if warm else []
         return self.adapter_results.get(name, AdapterCommandResult(len(self.adapter_commands), ok=True))
 
     async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:

@@ -62,6 +62,7 @@ class AdapterCommand(msgspec.Struct, tag=True):
     path: str | None = None
     load_inplace: bool = False
     pinned: bool = False
+    warm: bool = False           # load: read it into the host cache now (the --lora-modules adapters)
 
 
 class Shutdown(msgspec.Struct, tag=True):

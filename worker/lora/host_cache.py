@@ -54,6 +54,10 @@ class HostCache:
     def is_filled(self, ref: AdapterRef) -> bool:
         return self._entries.get(ref) is not None
 
+    def has_room(self) -> bool:
+        """Whether an entry can be added without evicting one."""
+        return self.capacity is None or len(self._entries) < self.capacity
+
     def reserve(self, ref: AdapterRef, protected: Container[AdapterRef] = (),
                 next_use: Mapping[AdapterRef, int] | None = None) -> bool:
         """Make room for `ref` (evicting if full) and hold it as being read; False when nothing may go."""

@@ -68,8 +68,11 @@ class AdapterRegistry:
         self.tiers = {"host": TierCounters(), "gpu": TierCounters()}
         self._uids = 0
 
-    def add(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False) -> None:
-        """Validate and register an adapter; its weights are read when a request first needs them."""
+    def add(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
+            warm: bool = False) -> None:
+        """Validate and register an adapter; its weights are read when a request first needs them, or, when
+        `warm` and the host cache has room without evicting anything, now on a reader thread (the adapters
+        the server starts with: their first requests then pay only the host -> GPU copy)."""
         if name in self.refs and not load_inplace:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                "adapter in place, set 'load_inplace' to True.")
@@ -87,6 +90,9 @@ class AdapterRegistry:
             self.host_cache.pin(ref)
         if old is not None:
             self._release(old)
+        if warm and self.host_cache.has_room():
+            self.host_cache.reserve(ref)
+            self.loader.start(ref)
         logger.info("adapter %s (rank %d, %s) registered from %s", name, spec.rank,
                     ",".join(spec.target_modules), path)
 

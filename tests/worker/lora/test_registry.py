@@ -103,3 +103,19 @@ def test_pinned_adapter_is_never_evicted(llama, variants):
     assert [s.pinned for s in engine.adapter_states()] == [True, False, False, False]
     with pytest.raises(AdapterError, match="Cannot pin LoRA adapter 'v1': 1 adapters are pinned already"):
         engine.add_adapter("v1", variants["v1"], load_inplace=True, pinned=True)
+
+
+# warm static adapters (--lora-modules)
+
+def test_warm_adapters_are_read_into_the_host_cache_before_any_request(llama, variants):
+    engine = make_engine(llama, max_cpu_loras=2)
+    for name in ("v0", "v1", "v4"):                         # the third finds the host cache full: not read
+        engine.add_adapter(name, variants[name], warm=True)
+    engine.add_adapter("cold", variants["v0"])              # not warm: read on first use
+    engine.loads.collect()                                  # file the reads (inline executor: done already)
+    residency = {s.name: s.residency for s in engine.adapter_states()}
+    assert residency == {"v0": "host", "v1": "host", "v4": "disk", "cold": "disk"}
+    outs = run(engine, {0: [("r", prompt(5, 6), greedy(4), "v1")]})
+    assert tokens(outs["r"]) == alone(llama, variants["v1"], prompt(5, 6), 4)
+    host = engine.lora_stats().host
+    assert (host.hits, host.misses, host.loads) == (1, 0, 2)   # its first request found it in host memory
