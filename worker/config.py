@@ -91,6 +91,7 @@ class WorkerConfig:
     device: str = "auto"          # auto | cpu | cuda
     enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)
     async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
-    # CUDA graphs for batches with prefill tokens, up to this many tokens (capped by max_num_batched_tokens);
-    # 0: such batches run eagerly (decode batches still replay graphs unless enforce_eager)
-    mixed_graph_max_tokens: int = 1024
+    # CUDA graphs for batches with prefill tokens, up to this many tokens (capped by max_num_batched_tokens, so
+    # by default every step the budget allows replays a graph); 0: such batches run eagerly (decode batches
+    # still replay graphs unless enforce_eager)
+    mixed_graph_max_tokens: int = 8192
