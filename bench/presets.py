@@ -63,4 +63,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _slora(5),
     _slora(100),
     _slora(1000),
+    Preset(
+        "moe-expert-adapters",
+        "Mixture-of-experts serving with expert LoRA: 16 rank-16 adapters on attention and every expert over 8 "
+        "GPU slots, chosen uniformly, Poisson arrivals at 4 req/s, random 256/128.",
+        Workload(num_prompts=160, input_len=(1, 256), output_len=(1, 128), adapters=adapter_names("lora", 16),
+                 adapter_choice="uniform", request_rate=4.0, arrival="poisson"),
+        server_args="--max-loras 8 --max-cpu-loras 16", adapter_targets="q_proj,k_proj,v_proj,o_proj,experts"),
 ]}

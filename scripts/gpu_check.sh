@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
-#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-sync] [hf]
+#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -11,16 +11,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 MODEL=bench/configs/llama-3.1-8b
 
-serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the 8B dummy server with the preset's flags and
-                   # adapters (plus any extra flags), then the preset; results in NAME[SUFFIX].json
+serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the dummy server of $MODEL (8B unless set) with the
+                   # preset's flags and adapters (plus any extra flags), then the preset; results in NAME[SUFFIX].json
   local name=$1 suffix=${2:-} adapters=/tmp/adapters-$1
   local extra=("${@:3}")
-  [ -d /tmp/tok ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok
+  local vocab
+  vocab=$(python3 -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
+  [ -d /tmp/tok-$vocab ] || python3 -m bench.make_tokenizer --vocab-size "$vocab" --out /tmp/tok-$vocab
   read -r -a make_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].make_adapters_args())")"
   read -r -a server_args <<< "$(python3 -c "from bench.presets import PRESETS; print(PRESETS['$name'].server_args)")"
   python3 -m bench.make_adapters --config $MODEL --out $adapters "${make_args[@]}" > /dev/null 2>&1
   echo "preset $name$suffix: server ${server_args[*]} ${extra[*]}, adapters ${make_args[*]}" >> "$OUT/serve.log"
-  python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok --load-format dummy --max-model-len 4096 \
+  python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-$vocab --load-format dummy --max-model-len 4096 \
     --port 8100 --uvicorn-log-level warning --lora-modules $(for a in $adapters/*; do echo "${a##*/}=$a"; done) \
     "${server_args[@]}" "${extra[@]}" >> "$OUT/serve.log" 2>&1 &
   local pid=$!
@@ -65,6 +67,9 @@ for stage in $stages; do
     serve)   failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
              (exit $failed) ;;
+    serve-moe)   # the MoE preset on Qwen3-30B-A3B's shape with 24 of its 48 layers (weights, 8 slots fit an 80 GB card)
+             mkdir -p /tmp/qwen3-moe-24 && python3 -c "import json; c = json.load(open('bench/configs/qwen3-30b-a3b/config.json')); c['num_hidden_layers'] = 24; json.dump(c, open('/tmp/qwen3-moe-24/config.json', 'w'))"
+             MODEL=/tmp/qwen3-moe-24 serve_preset moe-expert-adapters ;;
     serve-sync)   # the same presets with async scheduling off: its TTFT cost and ITL gain side by side
              failed=0
              for preset in sglang-single-adapter sglang-multi-adapter; do
