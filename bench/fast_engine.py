@@ -82,6 +82,14 @@ class FastEngine(EngineInterface):
     def num_waiting(self) -> int:
         return 0
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return 0.0
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0
+
     def running_adapter_names(self) -> list[str]:
         return []
 

@@ -30,7 +30,8 @@ class ServingContext:
         self.client = client                     # gateway.worker_client.WorkerClient or a stand-in
         self.tokenizer = tokenizer
         self.served_models = ServedModels(config.served_names, config.model, config.lora_dirs)
-        self.metrics = Metrics(config.served_names[0], config.max_loras)
+        self.metrics = Metrics(config.served_names[0], config.max_loras, config.block_size,
+                               config.gpu_memory_utilization)
         self.api_key = APIKey(config.api_key) if config.api_key else None
 
     @property
@@ -67,7 +68,7 @@ class ServingContext:
 
     async def start(self) -> None:
         """Start the worker, then load the --lora-modules adapters; raises with the worker's message."""
-        await self.client.start()
+        self.metrics.engine_ready(await self.client.start())
         for module in self.config.lora_modules:
             result = await self.client.adapter_command("load", module.name, module.path, pinned=module.pinned,
                                                        warm=True)
@@ -102,12 +103,12 @@ class ServingContext:
         Leaving early (a stop string, a closed stream, a disconnect) closes the worker's stream,
         which aborts the request in the worker.
         """
-        timer = self.metrics.start_request(lora_name, len(prompt_ids))
+        timer = self.metrics.start_request(lora_name, len(prompt_ids), params.max_tokens)
         outputs = self.client.generate(AddRequest(request_id, prompt_ids, params, lora_name))
         reason = "abort"
         try:
             async for output in outputs:
-                timer.on_tokens(len(output.new_token_ids))
+                timer.on_output(output)
                 self._raise_if_adapter_gone(lora_name, output)
                 delta = detokenizer.update(output)
                 reason = delta.finish_reason or reason

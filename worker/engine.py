@@ -143,6 +143,14 @@ class Engine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_usage
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
     def running_adapter_names(self) -> list[str]:
         return sorted({r.adapter.name for r in self.scheduler.running if r.adapter})
 

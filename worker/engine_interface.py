@@ -46,6 +46,16 @@ class EngineInterface(Protocol):
     def num_waiting(self) -> int:
         """Requests queued behind the running ones."""
 
+    @property
+    @abstractmethod
+    def kv_cache_usage(self) -> float:
+        """The fraction of KV blocks in use, 0 to 1."""
+
+    @property
+    @abstractmethod
+    def num_preemptions(self) -> int:
+        """Requests preempted (their KV dropped, to be recomputed) since the engine started."""
+
     @abstractmethod
     def running_adapter_names(self) -> list[str]:
         """Adapters of the running requests, sorted."""

@@ -1,4 +1,5 @@
-"""GET /health (200 empty, 503 once the worker is gone), /version and /metrics."""
+"""GET /health (200 empty, 503 once the worker is gone), GET and POST /ping (the same answer: SageMaker's
+health route, as vLLM serves it), /version and /metrics."""
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
@@ -31,5 +32,6 @@ async def metrics(request: Request) -> Response:
     return Response(server.metrics.render(server.client.stats), media_type=PROMETHEUS_TEXT)
 
 
-routes = [Route("/health", health, methods=["GET"]), Route("/version", show_version, methods=["GET"]),
+routes = [Route("/health", health, methods=["GET"]), Route("/ping", health, methods=["GET", "POST"]),
+          Route("/version", show_version, methods=["GET"]),
           Route("/metrics", metrics, methods=["GET"])]

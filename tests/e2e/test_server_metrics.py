@@ -5,11 +5,20 @@ import httpx
 
 from worker.demo import SERVED_MODEL_NAME
 
-VLLM_SAMPLES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:request_success_total",
-                "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:lora_requests_info",
+VLLM_SAMPLES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "vllm:num_preemptions_total", "vllm:request_success_total", "vllm:prompt_tokens_total",
+                "vllm:generation_tokens_total", "vllm:lora_requests_info", "vllm:cache_config_info",
                 *(f"{histogram}_{part}" for histogram in ("vllm:time_to_first_token_seconds",
                                                           "vllm:inter_token_latency_seconds",
-                                                          "vllm:e2e_request_latency_seconds")
+                                                          "vllm:e2e_request_latency_seconds",
+                                                          "vllm:request_time_per_output_token_seconds",
+                                                          "vllm:request_queue_time_seconds",
+                                                          "vllm:request_prefill_time_seconds",
+                                                          "vllm:request_decode_time_seconds",
+                                                          "vllm:request_inference_time_seconds",
+                                                          "vllm:request_prompt_tokens",
+                                                          "vllm:request_generation_tokens",
+                                                          "vllm:request_params_max_tokens")
                   for part in ("bucket", "sum", "count"))]
 ADAPTER_SAMPLES = ["loraplex:lora_requests_total", "loraplex:lora_prompt_tokens_total",
                    "loraplex:lora_generation_tokens_total"]
@@ -39,6 +48,8 @@ def test_counters_move_by_what_one_adapter_request_did(server, reference):
         "ttft": ("vllm:time_to_first_token_seconds_count", ""),
         "itl": ("vllm:inter_token_latency_seconds_count", ""),
         "e2e": ("vllm:e2e_request_latency_seconds_count", ""),
+        "queue": ("vllm:request_queue_time_seconds_count", ""),
+        "decode": ("vllm:request_decode_time_seconds_count", ""),
         "adapter_requests": ("loraplex:lora_requests_total", adapter_label),
         "adapter_prompt": ("loraplex:lora_prompt_tokens_total", adapter_label),
         "adapter_generated": ("loraplex:lora_generation_tokens_total", adapter_label),
@@ -50,5 +61,6 @@ def test_counters_move_by_what_one_adapter_request_did(server, reference):
     num_prompt = len(reference.encode("Fixing a bicycle"))
     assert {key: after[key] - before[key] for key in watched} == {
         "prompt": num_prompt, "generated": NUM_TOKENS, "length": 1, "ttft": 1, "itl": NUM_TOKENS - 1, "e2e": 1,
+        "queue": 1, "decode": 1,
         "adapter_requests": 1, "adapter_prompt": num_prompt, "adapter_generated": NUM_TOKENS}
     assert server.metric("vllm:num_requests_running") == server.metric("vllm:num_requests_waiting") == 0

@@ -2,8 +2,9 @@
 
 FakeEngine emits one token per step for every running request: output token i of a request is
 (sum(prompt) + i) % VOCAB_SIZE. It honours max_tokens, max_num_seqs (the rest wait), aborts and
-adapters by name; errors carry a `status_code` like worker.lora.adapter.AdapterError. It has no
-adapter tiers: a registered adapter counts as on the GPU, and lora_stats is None.
+adapters by name; errors carry a `status_code` like worker.lora.adapter.AdapterError. Each running
+request holds one KV block; nothing is preempted. It has no adapter tiers: a registered adapter counts
+as on the GPU, and lora_stats is None.
 """
 from __future__ import annotations
 
@@ -106,6 +107,14 @@ class FakeEngine(EngineInterface):
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return len(self._running) / NUM_KV_BLOCKS    # one block per running request
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0
 
     def running_adapter_names(self) -> list[str]:
         return sorted({r.lora_name for r in self._running.values() if r.lora_name is not None})

@@ -4,7 +4,8 @@ FakeWorkerClient answers every request with a scripted list of token ids (its `s
 of the request), one `chunk` of tokens per output, honouring max_tokens, min_tokens, stop token ids,
 EOS and ignore_eos like the worker. Logprobs are deterministic: output token i has logprob
 -0.25 * (i + 1), rank 1, and alternatives (token + j) % vocab at logprob - j. It records what it was
-asked, and which requests were closed before they finished (the worker would abort those).
+asked, and which requests were closed before they finished (the worker would abort those). Its first
+output of a request carries `queue_time`, as the worker's does.
 """
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ def build_tokenizer() -> Tokenizer:
 class FakeWorkerClient:
     def __init__(self, script: Callable[[AddRequest], list[int]], *, max_model_len: int = 256,
                  vocab_size: int = 320, eos_token_ids: tuple[int, ...] = (2,), chunk: int = 1,
-                 delay: float = 0.0, startup_error: str | None = None):
+                 delay: float = 0.0, startup_error: str | None = None, queue_time: float | None = None):
         self.script = script
         self.chunk = chunk
         self.delay = delay
+        self.queue_time = queue_time
         self.startup_error = startup_error
         self._ready = Ready(max_model_len=max_model_len, vocab_size=vocab_size,
                             eos_token_ids=list(eos_token_ids), num_kv_blocks=64)
@@ -92,7 +94,8 @@ class FakeWorkerClient:
                     request.request_id, part, new_logprobs=self._logprobs(request, part, start),
                     prompt_logprobs=self._prompt_logprobs(request) if start == 0 else None,
                     finish_reason=finish if last else None, stop_reason=stop_reason if last else None,
-                    num_prompt_tokens=len(request.prompt_token_ids))
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    queue_time=self.queue_time if start == 0 else None)
         finally:
             if not finished:
                 self.aborted.append(request.request_id)

@@ -94,17 +94,19 @@ async def test_metrics_describe_the_adapter_tiers():
         text = (await http.get("/metrics")).text
     model = 'model_name="base"'
     lines = set(text.splitlines())
-    for line in (f"loraplex:lora_gpu_slots_used{{{model}}} 3", f"loraplex:lora_gpu_slots_total{{{model}}} 8",
-                 f"loraplex:lora_host_cache_adapters{{{model}}} 5", f"loraplex:lora_host_cache_bytes{{{model}}} 4096",
-                 f'loraplex:lora_cache_hits_total{{{model},tier="gpu"}} 7',
-                 f'loraplex:lora_cache_misses_total{{{model},tier="host"}} 6',
-                 f'loraplex:lora_loads_total{{{model},tier="gpu"}} 3',
-                 f'loraplex:lora_loaded_bytes_total{{{model},tier="host"}} 2048',
-                 f'loraplex:lora_evictions_total{{{model},tier="gpu"}} 2',
-                 f'loraplex:lora_load_latency_seconds_bucket{{{model},tier="gpu",le="0.001"}} 1',
-                 f'loraplex:lora_load_latency_seconds_bucket{{{model},tier="gpu",le="0.01"}} 1',
-                 f'loraplex:lora_load_latency_seconds_bucket{{{model},tier="gpu",le="+Inf"}} 3',
+    for line in (f"loraplex:lora_gpu_slots_used{{{model}}} 3.0", f"loraplex:lora_gpu_slots_total{{{model}}} 8.0",
+                 f"loraplex:lora_host_cache_adapters{{{model}}} 5.0",
+                 f"loraplex:lora_host_cache_bytes{{{model}}} 4096.0",
+                 f'loraplex:lora_cache_hits_total{{{model},tier="gpu"}} 7.0',
+                 f'loraplex:lora_cache_misses_total{{{model},tier="host"}} 6.0',
+                 f'loraplex:lora_loads_total{{{model},tier="gpu"}} 3.0',
+                 f'loraplex:lora_loaded_bytes_total{{{model},tier="host"}} 2048.0',
+                 f'loraplex:lora_evictions_total{{{model},tier="gpu"}} 2.0',
+                 f'loraplex:lora_load_latency_seconds_bucket{{le="0.001",{model},tier="gpu"}} 1.0',
+                 f'loraplex:lora_load_latency_seconds_bucket{{le="0.01",{model},tier="gpu"}} 1.0',
+                 f'loraplex:lora_load_latency_seconds_bucket{{le="+Inf",{model},tier="gpu"}} 3.0',
                  f'loraplex:lora_load_latency_seconds_sum{{{model},tier="host"}} 0.25',
+                 "# TYPE loraplex:lora_cache_hits_total counter",
                  "# TYPE loraplex:lora_load_latency_seconds histogram"):
         assert line in lines, line
 

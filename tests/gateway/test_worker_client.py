@@ -167,6 +167,15 @@ async def test_stats_name_running_adapters(client):
     await wait_until(lambda: client.stats.running_adapters == [])
 
 
+async def test_stats_carry_the_engines_kv_cache_usage(client):
+    stream = client.generate(add_request("endless", [3], max_tokens=10**9))
+    await anext(stream)
+    await wait_until(lambda: client.stats.kv_cache_usage == 1 / fake_engine.NUM_KV_BLOCKS)
+    await stream.aclose()
+    await wait_until(lambda: client.stats.kv_cache_usage == 0.0)
+    assert client.stats.num_preemptions == 0
+
+
 async def test_startup_failure_raises_the_worker_message():
     client = WorkerClient(CONFIG, engine_factory=FAILING)
     with pytest.raises(WorkerStartupError, match=f"RuntimeError: {fake_engine.STARTUP_ERROR}"):

@@ -152,6 +152,8 @@ class Stats(msgspec.Struct, tag=True):
     running_adapters: list[str] = []
     waiting_adapters: list[str] = []
     lora: LoRAStats | None = None       # None from engines without adapter tiers
+    kv_cache_usage: float = 0.0         # fraction of KV blocks in use, 0 to 1
+    num_preemptions: int = 0            # preemptions since the engine started
 
 
 ToWorker = AddRequest | AbortRequest | AdapterCommand | Shutdown

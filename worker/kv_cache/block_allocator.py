@@ -24,6 +24,11 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def usage(self) -> float:
+        """The fraction of blocks in use, 0 to 1 (vLLM's `vllm:kv_cache_usage_perc`)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 

@@ -47,6 +47,7 @@ class Scheduler:
         self.running: list[Request] = []   # policy.running_key order (oldest first); read-only outside
         self._unfinished: dict[str, Request] = {}
         self._rejected: list[Request] = []  # ended with "error" in schedule(); next launched() returns them
+        self.num_preemptions = 0            # preemptions since start (vLLM's `vllm:num_preemptions`)
 
     @property
     def num_running(self) -> int:
@@ -55,6 +56,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of KV blocks held by running requests, 0 to 1."""
+        return self.blocks.usage
 
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
@@ -239,6 +245,7 @@ class Scheduler:
         self.running.remove(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=policy.waiting_key)
         batch.preempted.append(request)

@@ -63,3 +63,14 @@ def test_random_allocate_free_matches_a_set_model(seed):
         flat = [b for blocks in owned for b in blocks]
         assert len(set(flat)) == len(flat) and all(0 <= b < 32 for b in flat)
         assert alloc.num_free == 32 - len(flat)
+
+
+def test_usage_is_the_fraction_of_blocks_handed_out():
+    alloc = BlockAllocator(8, 4)
+    assert alloc.usage == 0.0
+    blocks = alloc.allocate(2)
+    assert alloc.usage == 0.25
+    alloc.allocate(6)
+    assert alloc.usage == 1.0
+    alloc.free(blocks)
+    assert alloc.usage == 0.75

@@ -232,6 +232,23 @@ def test_kv_exhaustion_preempts_newest_and_it_recomputes_prompt_and_outputs():
     assert r0.output_token_ids == expected_outputs(r0) and r1.output_token_ids == expected_outputs(r1)
 
 
+def test_kv_cache_usage_and_preemption_count_follow_the_blocks():
+    scheduler = make_scheduler(num_blocks=4, block_size=2, budget=16)
+    runner = FakeRunner(scheduler)
+    r0, r1 = make_request(0, 3, 6), make_request(1, 3, 6)
+    scheduler.add_request(r0)
+    scheduler.add_request(r1)
+    assert (scheduler.kv_cache_usage, scheduler.num_preemptions) == (0.0, 0)
+    runner.step()                       # each prompt of 3 takes 2 blocks of 2
+    assert scheduler.kv_cache_usage == 1.0
+    runner.step()
+    runner.step()                       # r0 needs a third block: r1 is preempted, r0 grows into one of its two
+    assert (scheduler.kv_cache_usage, scheduler.num_preemptions) == (0.75, 1)
+    runner.run()
+    assert scheduler.num_preemptions == runner.num_preempted >= 1
+    assert scheduler.kv_cache_usage == 0.0
+
+
 def test_preempted_request_goes_to_front_of_waiting():
     scheduler = make_scheduler(num_blocks=2, block_size=4, max_loras=1)
     runner = FakeRunner(scheduler)
