@@ -271,3 +271,44 @@ def _moe_lora_down(y: torch.Tensor, g: torch.Tensor, slots: torch.Tensor, e: int
         ga = g[rows].float() @ lora.down_a[w, e, :r].float().T              # [n_w, r]
         delta[rows] = lora.scalings[w, 2] * (ga @ lora.down_b[w, eb, :, :r].float().T)
     return (y.float() + delta).to(y.dtype)
+
+
+def moe_lora_gate_up_flat(h: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, token_slots: list[int],
+                          lora: MoELoRASlots) -> torch.Tensor:
+    """Semantics of kernels/moe_lora.add_gate_up_lora, on rows flat by (token, choice):
+        for row = t*K + j, e = topk_ids[t, j], w = token_slots[t] >= 0:
+            h[row] = _moe_lora_gate_up's row for expert e (x[t]'s gate and up deltas, shared-outer xa once per token)
+    Rows with w = -1 come back bitwise unchanged.
+
+    h: [T*K, 2 * I]; x: [T, hidden]; topk_ids: [T, K] -> h with the deltas added (h's dtype)
+    """
+    k = topk_ids.shape[1]
+    slots = torch.tensor(token_slots, dtype=torch.long, device=x.device)     # [T]
+    shared_xa = _shared_outer_shrink(x, slots, lora)                         # [T, 2 * R] float32
+    tokens = torch.arange(h.shape[0], device=x.device) // k                  # [T*K]
+    experts = topk_ids.reshape(-1)                                           # [T*K]
+    out = h.clone()
+    for e in experts.unique().tolist():
+        rows = torch.where(experts == e)[0]
+        t = tokens[rows]
+        out[rows] = _moe_lora_gate_up(h[rows], x[t], shared_xa[t], slots[t], e, lora)
+    return out
+
+
+def moe_lora_down_flat(y: torch.Tensor, act: torch.Tensor, topk_ids: torch.Tensor, token_slots: list[int],
+                       lora: MoELoRASlots) -> torch.Tensor:
+    """Semantics of kernels/moe_lora.add_down_lora, on rows flat by (token, choice):
+        for row = t*K + j, e = topk_ids[t, j], w = token_slots[t] >= 0:
+            y[row] = _moe_lora_down's row for expert e (act[row]'s down delta)
+    Rows with w = -1 come back bitwise unchanged.
+
+    y: [T*K, hidden] (before the routing weights); act: [T*K, I]; topk_ids: [T, K] -> y with the deltas added
+    """
+    k = topk_ids.shape[1]
+    slots = torch.tensor(token_slots, dtype=torch.long, device=y.device).repeat_interleave(k)   # [T*K]
+    experts = topk_ids.reshape(-1)                                                               # [T*K]
+    out = y.clone()
+    for e in experts.unique().tolist():
+        rows = torch.where(experts == e)[0]
+        out[rows] = _moe_lora_down(y[rows], act[rows], slots[rows], e, lora)
+    return out
