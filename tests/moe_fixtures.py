@@ -130,3 +130,98 @@ def merged_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_
             g, u = (w13 @ x[t].double()).chunk(2)
             out[t] += float(topk_weights[t, j]) * (w2 @ (torch.nn.functional.silu(g) * u))
     return out.float()
+
+
+# --- expert adapters on the engine's tiny MoE checkpoints (tests/hf_fixtures.build_hf_moe_model) ----------------
+
+@dataclass(frozen=True)
+class PeftExpertAdapter:
+    """Format (a): PEFT target_parameters on the experts, with `modules` as target_modules beside them."""
+    name: str
+    r: int
+    alpha: float
+    modules: tuple[str, ...] = ()
+    use_rslora: bool = False
+    rank_pattern: dict | None = None
+
+
+@dataclass(frozen=True)
+class HandExpertAdapter:
+    """Format (b) "per_expert" or (c) "stacked", written by hand: gate/up/down ranks, the layers adapted, the
+    experts adapted (per_expert; None: all), shared-outer (stacked: gate/up A's and down B stored once)."""
+    name: str
+    format: str
+    ranks: tuple[int, int, int]
+    experts: tuple[int, ...] | None = None
+    shared_outer: bool = False
+    alpha: float = 16.0
+
+
+def save_peft_expert_adapter(model_dir: Path, spec: PeftExpertAdapter, out: Path, seed: int) -> None:
+    """A PEFT (a) adapter on the checkpoint in `model_dir`, random (init_lora_weights=False, lora_B scaled up)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.modules), target_parameters=TARGETS,
+                     use_rslora=spec.use_rslora, rank_pattern=spec.rank_pattern or {}, init_lora_weights=False,
+                     lora_dropout=0.0)
+    peft_model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0 if ".experts." in name else 20.0)
+    peft_model.save_pretrained(out)
+
+
+def save_hand_expert_adapter(spec: HandExpertAdapter, layers: list[int], shape: ExpertShape, mixtral_names: bool,
+                             out: Path, seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Write a per-expert or stacked adapter on `layers`; returns layer -> its merged deltas (gate_up [E, 2I, H],
+    down [E, H, I]), what PEFT would add to the experts' weights."""
+    import json
+
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral_names else ("mlp", ("gate_proj", "up_proj",
+                                                                                          "down_proj"))
+    tensors, deltas = {}, {}
+    for layer in layers:
+        gate_up, down = torch.zeros(e, 2 * i, h), torch.zeros(e, h, i)
+        for s, (name, r) in enumerate(zip(names, spec.ranks)):
+            fan_in, fan_out, scaling = (i, h, spec.alpha / r) if s == 2 else (h, i, spec.alpha / r)
+            n_a = 1 if spec.shared_outer and s < 2 else e
+            n_b = 1 if spec.shared_outer and s == 2 else e
+            a = 0.25 * torch.randn(n_a, r, fan_in, generator=gen)            # [n_a, r, in]
+            b = 0.25 * torch.randn(n_b, fan_out, r, generator=gen)           # [n_b, out, r]
+            experts = range(e) if spec.experts is None or spec.format == "stacked" else spec.experts
+            prefix = f"base_model.model.model.layers.{layer}.{block}.experts."
+            if spec.format == "stacked":
+                tensors[f"{prefix}{name}.lora_A.weight"], tensors[f"{prefix}{name}.lora_B.weight"] = a, b
+            for x in experts:
+                if spec.format == "per_expert":
+                    tensors[f"{prefix}{x}.{name}.lora_A.weight"] = a[x]
+                    tensors[f"{prefix}{x}.{name}.lora_B.weight"] = b[x]
+                delta = scaling * b[min(x, n_b - 1)] @ a[min(x, n_a - 1)]      # [out, in]
+                if s == 2:
+                    down[x] = delta
+                else:
+                    gate_up[x, s * i:(s + 1) * i] = delta
+        deltas[layer] = (gate_up, down)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": max(spec.ranks),
+                                                         "lora_alpha": spec.alpha, "target_modules": list(names)}))
+    return deltas
+
+
+def merged_hf_model(model_dir: Path, deltas: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.nn.Module:
+    """The HF model with each layer's expert deltas added to its fused expert weights (the reference of (b), (c))."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for layer, (gate_up, down) in deltas.items():
+            experts = model.model.layers[layer].mlp.experts
+            experts.gate_up_proj += gate_up
+            experts.down_proj += down
+    return model.eval()

@@ -4,6 +4,13 @@ Residency is the fastest tier holding its weights ("gpu", "host", "disk"), with 
 pinned, version, last use and load times, as the worker reports them; the gateway adds the base model
 and creation time. An adapter the gateway registered but the worker has not loaded yet (an auto-load
 about to happen) is reported on "disk" with what the gateway knows.
+
+`target_modules` names what the adapter adapts, in this order: q_proj, k_proj, v_proj, o_proj, gate_proj,
+up_proj, down_proj (on a MoE base, the MLP of its dense layers), shared_expert.gate_proj / .up_proj / .down_proj
+(Qwen2-MoE's shared expert), experts.gate_proj / experts.up_proj / experts.down_proj (the routed experts,
+whichever format the adapter stores them in: PEFT target_parameters on mlp.experts.gate_up_proj lists both
+experts.gate_proj and experts.up_proj; Mixtral's w1 / w3 / w2 are listed as gate / up / down). `rank` is the
+largest rank over all of them, experts included.
 """
 from __future__ import annotations
 

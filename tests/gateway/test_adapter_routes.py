@@ -153,3 +153,24 @@ async def test_a_real_worker_reports_adapter_residency_and_tier_stats(hf_models)
     assert (state.residency, state.slot, state.target_modules) == ("gpu", 0, list(ADAPTERS[1].targets))
     assert state.gpu_load_ms is not None and state.disk_load_ms is not None and state.last_used is not None
     assert (stats.gpu_slots_used, stats.gpu_slots_total, stats.gpu.loads, stats.host.misses) == (1, 1, 1, 1)
+
+
+async def test_a_moe_adapter_lists_the_experts_it_adapts(hf_moe_models, tmp_path):
+    """GET /v1/adapters on what a real engine over Qwen2-MoE reports for a PEFT adapter on the experts
+    (target_parameters), the attention, the shared expert and the dense layer's MLP."""
+    from tests.moe_fixtures import PeftExpertAdapter, save_peft_expert_adapter
+    from worker.engine import Engine
+    model_dir = hf_moe_models["qwen2_moe"]
+    spec = PeftExpertAdapter("moe", 4, alpha=8, modules=("q_proj", "gate_proj", "up_proj", "down_proj"),
+                             rank_pattern={"gate_up_proj": 6})
+    save_peft_expert_adapter(model_dir, spec, tmp_path / "moe", seed=0)
+    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(num_blocks_override=16),
+                                 lora=LoRAConfig(max_loras=1, max_lora_rank=8), device="cpu"))
+    engine.add_adapter("moe", str(tmp_path / "moe"))
+    async with serve(modules=(LoRAModulePath("moe", str(tmp_path / "moe")),)) as (http, client):
+        client.adapter_results[""] = AdapterCommandResult(0, ok=True, adapters=engine.adapter_states())
+        card = (await http.get("/v1/adapters/moe")).json()
+    assert card["target_modules"] == ["q_proj", "gate_proj", "up_proj", "down_proj", "shared_expert.gate_proj",
+                                      "shared_expert.up_proj", "shared_expert.down_proj", "experts.gate_proj",
+                                      "experts.up_proj", "experts.down_proj"]
+    assert card["rank"] == 6

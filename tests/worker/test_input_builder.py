@@ -119,3 +119,40 @@ def test_mixed_graph_padding_gives_the_unpadded_logits(hf_models):
                               runner.kv_pool.caches)
     assert padded.shape[0] == 6
     torch.testing.assert_close(padded[:n_sample], plain[-n_sample:], atol=1e-5, rtol=1e-5)
+
+
+def test_token_slots_give_each_token_row_its_segments_slot():
+    """Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2]: token_slots [a, a, a, a, -1, -1, b, b], on the
+    host and on the device (a field of the one input buffer)."""
+    builder = make_builder()
+    batch = ScheduledBatch([seq("p", [1, 2, 3], [], 0, 3, slot=0), seq("d", [4, 5], [6], 2, 1, slot=0),
+                            seq("base", [7, 8], [], 0, 2), seq("b", [9, 10], [], 0, 2, slot=1)])
+    info = builder.build(batch).lora
+    assert info.token_slots_host == [0, 0, 0, 0, -1, -1, 1, 1]
+    assert info.token_slots.dtype == torch.int32 and info.token_slots.tolist() == info.token_slots_host
+    dev = builder._dev_buf
+    assert dev.data_ptr() <= info.token_slots.data_ptr() < dev.data_ptr() + dev.numel()
+
+
+def test_decode_padding_rows_have_no_slot():
+    builder = make_builder()
+    decode = ScheduledBatch([seq("a", [5, 6], [7], 2, 1, slot=0), seq("b", [8], [9], 1, 1),
+                             seq("c", [3], [4], 1, 1, slot=0)])
+    info = builder.build(decode, pad_to=6).lora
+    assert info.token_slots_host == [0, -1, 0, -1, -1, -1] and info.token_slots.tolist() == info.token_slots_host
+
+
+def test_mixed_graph_padding_rows_have_no_slot():
+    builder = make_builder()
+    batch = ScheduledBatch([seq("prefill", [11, 12, 13], [], 0, 3, slot=0), seq("decode", [21, 22], [23], 2, 1)])
+    info = builder.build(batch, mixed_pad=(8, 4)).lora
+    assert info.token_slots_host == [0, 0, 0, -1, -1, -1, -1, -1]
+    assert info.token_slots.tolist() == info.token_slots_host
+
+
+def test_a_batch_forced_onto_the_lora_path_has_every_row_base_only():
+    builder = make_builder()
+    batch = ScheduledBatch([seq("a", [5, 6], [], 0, 2), seq("b", [8], [9], 1, 1)])
+    assert builder.build(batch).lora is None
+    info = builder.build(batch, lora=True).lora
+    assert info.token_slots_host == [-1, -1, -1] and info.token_slots.tolist() == [-1, -1, -1]

@@ -1,16 +1,21 @@
 """The sparse mixture-of-experts block: a router, fused experts, and Qwen2-MoE's optional shared expert.
 
 Experts are stored as transformers 5 holds them in memory: `gate_up_proj [E, 2I, H]` (gate rows first) and
-`down_proj [E, H, I]`. Routing and the expert sum run through kernels/reference.py on every device for now
-(the Triton MoE kernels come next), so MoE models run eagerly on the GPU (model_runner/runner.py).
+`down_proj [E, H, I]`. Routing and the expert sum run through kernels/reference.py on the CPU, and on CUDA
+until the model runner attaches the Triton path's workspaces (`attach_workspaces`); from then on CUDA steps run
+kernels/moe.py's fused_moe.
+
+Expert LoRA: `SparseMoE.lora` (MoELoRAWeights, views of every adapter slot, attached by lora/gpu_pool.py) with
+the step's `LoRABatchInfo.token_slots` (device) / `token_slots_host` (the reference's): reference.moe_lora_experts,
+or fused_moe with a kernels/moe_lora.MoELoRAStep. Rows without an adapter compute exactly what moe_experts computes.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from worker.batch import ForwardBatch
-from worker.kernels.reference import moe_experts, moe_route
+from worker.batch import ForwardBatch, LoRABatchInfo, MoELoRAWeights
+from worker.kernels.reference import MoELoRASlots, moe_experts, moe_lora_experts, moe_route
 from worker.layers.kernel_choices import KernelChoices
 from worker.layers.linear import Linear
 
@@ -55,17 +60,60 @@ class SparseMoE(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = (Linear(hidden_size, [1], False, dtype, kernels)
                                    if shared_expert is not None else None)
+        self.lora: MoELoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
+        # the Triton path's workspaces (kernels/moe.py MoEWorkspace, kernels/moe_lora.py MoELoRAWorkspace), set
+        # by the model runner (attach_workspaces) on CUDA; while None, CUDA runs the reference as the CPU does
+        self.workspace = None
+        self.lora_workspace = None
+
+    def attach_workspaces(self, workspace, lora_workspace) -> None:
+        """Hand the layer the buffers of the Triton path (shared by every MoE layer): CUDA steps take it from now on."""
+        self.workspace, self.lora_workspace = workspace, lora_workspace
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, None]:
         """x: [num_tokens, hidden] -> (the block's output [num_tokens, hidden], None: no deferred delta)."""
         logits = self.gate(x)                                                   # [num_tokens, num_experts]
-        weights, ids = moe_route(logits, self.top_k, self.renormalize)          # [num_tokens, top_k] each
-        if not self.float32_weights:
-            weights = weights.to(x.dtype)
-        out = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        lora = batch.lora if self.lora is not None and batch.lora is not None and batch.lora.max_rank > 0 else None
+        if x.is_cuda and self.workspace is not None:
+            out = self._fused(x, logits, lora)
+        else:
+            out = self._reference(x, logits, lora)
         if self.shared_expert is not None:
             shared, delta = self.shared_expert(x, batch)                        # [num_tokens, hidden]
             if delta is not None:
                 shared = (shared.float() + delta).to(shared.dtype)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out, None
+
+    def _reference(self, x: torch.Tensor, logits: torch.Tensor, lora: LoRABatchInfo | None) -> torch.Tensor:
+        """Routing and experts by kernels/reference.py (host loops, eager only). x: [T, H] -> [T, H]"""
+        weights, ids = moe_route(logits, self.top_k, self.renormalize)          # [num_tokens, top_k] each
+        if not self.float32_weights:
+            weights = weights.to(x.dtype)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if lora is None:
+            return moe_experts(x, gate_up, down, weights, ids)
+        return moe_lora_experts(x, gate_up, down, weights, ids, lora.token_slots_host, self._slots(lora))
+
+    def _slots(self, lora: LoRABatchInfo) -> MoELoRASlots:
+        """The reference's view of self.lora: each projection at its slot's rank (its largest over the adapter's
+        modules; zero padding past a projection's own rank adds nothing), 0 where the scaling is 0."""
+        w, max_rank = self.lora, self.lora.down_a.shape[2]
+        scalings = w.scalings.tolist()                                          # [S][3]
+        ranks = [[min(rank, max_rank) if scale else 0 for scale in scalings[s]]
+                 for s, rank in enumerate(lora.ranks_host)]
+        return MoELoRASlots(w.gate_up_a, w.gate_up_b, w.down_a, w.down_b, ranks, w.scalings,
+                            [bool(flag) for flag in w.shared_outer.tolist()])
+
+    def _fused(self, x: torch.Tensor, logits: torch.Tensor, lora: LoRABatchInfo | None) -> torch.Tensor:
+        """The Triton path (kernels/moe.py, kernels/moe_lora.py), taken once the runner sets self.workspace."""
+        from worker.kernels.moe import fused_moe            # Triton; imported here so CPU installs need none
+        from worker.kernels.moe_lora import MoELoRAStep
+        step = None
+        if lora is not None:
+            # the kernels' grids follow max_rank; a CUDA graph replays them for any adapter mix, so it is captured
+            # at the slots' R (a capture step's own ranks are those of whatever the slots held then)
+            max_rank = self.lora.down_a.shape[2] if torch.cuda.is_current_stream_capturing() else lora.max_rank
+            step = MoELoRAStep(self.lora, lora.token_slots, lora.ranks, max_rank, self.lora_workspace)
+        return fused_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize,
+                         self.float32_weights, self.workspace, lora=step)

@@ -1,22 +1,30 @@
 """PEFT LoRA adapters: validate against the base model (from the file header alone), read per-module weights.
 
-The tensor file is read by lora/safetensors_file.py; expert (MoE) tensors are lora/formats.py's.
+The tensor file is read by lora/safetensors_file.py. On a mixture-of-experts base, expert tensors are
+lora/formats.py's (kept as ExpertLayerLoRA, read when packed) and lora/moe_adapter.py says which dense modules
+take LoRA there.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from worker.lora.errors import AdapterError
+from worker.lora.formats import ExpertLayerLoRA
+from worker.lora.moe_adapter import (EXPERT_TARGETS, MOE_KEY, SHARED_EXPERT_TARGETS, check_moe_target,
+                                     expert_coverage, shared_expert_shapes, split_expert_tensors)
+from worker.lora.peft_config import module_scaling, read_config
 from worker.lora.safetensors_file import read_data, read_header, tensor_bytes, tensor_file
 from worker.models.hf_config import ArchConfig
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_TARGET_ORDER = SUPPORTED_TARGETS + SHARED_EXPERT_TARGETS + EXPERT_TARGETS
+# target_modules entries: PEFT matches them as name suffixes ("shared_expert.gate_proj"); w1/w2/w3: Mixtral's experts
+_CONFIG_TARGETS = SUPPORTED_TARGETS + ("w1", "w2", "w3")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _MAX_SCALING = 65504.0   # float16's largest value: beyond it a delta overflows the serving dtypes
 
@@ -26,7 +34,8 @@ class AdapterSpec:
     """A validated adapter directory: what registration knows before any weight is read."""
     name: str
     path: str
-    rank: int                                      # the largest rank over its modules
+    rank: int                                      # the largest rank over its modules, experts included
+    # what it adapts: q_proj ... down_proj, shared_expert.*_proj, experts.{gate,up,down}_proj (moe_adapter.py)
     target_modules: tuple[str, ...]
 
 
@@ -46,6 +55,8 @@ class AdapterBytes:
     spec: AdapterSpec
     dtype: torch.dtype
     modules: dict[tuple[int, str], ModuleBytes]    # (layer, target) -> weights
+    experts: dict[int, ExpertLayerLoRA] = field(default_factory=dict)   # MoE layer -> its expert LoRA (not read)
+    file: Path | None = None                       # the tensor file the expert LoRA is read from
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class AdapterSource:
     file: Path
     dtypes: set[torch.dtype]                       # the dtypes its tensors are stored in
     modules: dict[tuple[int, str], ModuleSource]   # (layer, target) -> where its weights lie
+    experts: dict[int, ExpertLayerLoRA] = field(default_factory=dict)   # MoE layer -> its expert LoRA
 
 
 @dataclass
@@ -94,52 +106,56 @@ def inspect_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank
     """Check that a PEFT directory fits the base model from its config and tensor header, reading no
     weights; raises AdapterError naming what is wrong."""
     path = Path(path)
-    _check_config(read_config(path), max_lora_rank)
-    header, _ = read_header(path)
-    return _spec(name, path, header, _check_modules(name, path, header, arch, max_lora_rank))
+    config = read_config(path)
+    _check_config(config, max_lora_rank)
+    header, data_start = read_header(path)
+    checked, experts = _check_modules(name, path, header, data_start, config, arch, max_lora_rank)
+    return _spec(name, path, header, checked, experts)
 
 
 def read_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int,
                  dtype: torch.dtype) -> AdapterBytes:
     """Read and check a PEFT directory, its weights converted to `dtype`; raises AdapterError."""
     path = Path(path)
-    header, data_start, checked, scalings = _check_directory(name, path, arch, max_lora_rank)
-    tensors = tensor_bytes(header, read_data(path, data_start), dtype)
+    header, data_start, checked, scalings, experts = _check_directory(name, path, arch, max_lora_rank)
+    dense = {key: header[key] for keys in checked.values() for key in keys.values()}
+    tensors = tensor_bytes(dense, read_data(path, data_start), dtype) if dense else {}
     modules = {}
     for (layer, target), keys in checked.items():
         (rank, fan_in), (fan_out, _) = header[keys["A"]][1], header[keys["B"]][1]
         modules[(layer, target)] = ModuleBytes(tensors[keys["A"]], tensors[keys["B"]], rank, fan_in, fan_out,
                                                scalings[(layer, target)])
-    return AdapterBytes(_spec(name, path, header, checked), dtype, modules)
+    return AdapterBytes(_spec(name, path, header, checked, experts), dtype, modules, experts, tensor_file(path))
 
 
 def locate_adapter(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int) -> AdapterSource:
     """Check a PEFT directory as read_adapter does and locate each module's weights in its tensor file,
     reading no weights (slot_layout.SlotLayout.read_packed reads them straight into place); raises AdapterError."""
     path = Path(path)
-    header, data_start, checked, scalings = _check_directory(name, path, arch, max_lora_rank)
+    header, data_start, checked, scalings, experts = _check_directory(name, path, arch, max_lora_rank)
     modules = {}
     for key, keys in checked.items():
         (_, a_shape, a_begin, a_end), (_, b_shape, b_begin, b_end) = header[keys["A"]], header[keys["B"]]
         modules[key] = ModuleSource((data_start + a_begin, data_start + a_end),
                                     (data_start + b_begin, data_start + b_end),
                                     a_shape[0], a_shape[1], b_shape[0], scalings[key])
-    return AdapterSource(_spec(name, path, header, checked), tensor_file(path),
-                         {entry[0] for entry in header.values()}, modules)
+    return AdapterSource(_spec(name, path, header, checked, experts), tensor_file(path),
+                         {entry[0] for entry in header.values()}, modules, experts)
 
 
-def _check_directory(name: str, path: Path, arch: ArchConfig, max_lora_rank: int) -> tuple[dict, int, dict, dict]:
-    """The checks of read_adapter: (header, data start, (layer, target) -> tensor keys, -> scaling)."""
+def _check_directory(name: str, path: Path, arch: ArchConfig,
+                     max_lora_rank: int) -> tuple[dict, int, dict, dict, dict[int, ExpertLayerLoRA]]:
+    """The checks of read_adapter: (header, data start, (layer, target) -> tensor keys, -> scaling, experts)."""
     config = read_config(path)
     _check_config(config, max_lora_rank)
     header, data_start = read_header(path)
-    checked = _check_modules(name, path, header, arch, max_lora_rank)
+    checked, experts = _check_modules(name, path, header, data_start, config, arch, max_lora_rank)
     scalings = {}
     for (layer, target), keys in checked.items():
         block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
         scalings[(layer, target)] = module_scaling(config, f"model.layers.{layer}.{block}.{target}",
                                              header[keys["A"]][1][0])
-    return header, data_start, checked, scalings
+    return header, data_start, checked, scalings, experts
 
 
 def read_adapter_weights(name: str, path: str | Path, arch: ArchConfig, max_lora_rank: int,
@@ -152,22 +168,11 @@ def read_adapter_weights(name: str, path: str | Path, arch: ArchConfig, max_lora
     return AdapterWeights(name, str(path), raw.spec.rank, raw.spec.target_modules, modules)
 
 
-def _spec(name: str, path: Path, header: dict, modules: dict) -> AdapterSpec:
-    ranks = [header[keys["A"]][1][0] for keys in modules.values()]
-    targets = tuple(sorted({t for _, t in modules}, key=SUPPORTED_TARGETS.index))
-    return AdapterSpec(name, str(path), max(ranks), targets)
-
-
-def read_config(path: Path) -> dict:
-    cfg_file = path / "adapter_config.json"
-    if not path.is_dir():
-        raise AdapterError(f"No adapter found at {path}: the directory does not exist", status_code=404)
-    if not cfg_file.is_file():
-        raise AdapterError(f"No adapter found at {path}: adapter_config.json is missing", status_code=404)
-    try:
-        return json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"adapter_config.json in {path} is unreadable: {e}") from e
+def _spec(name: str, path: Path, header: dict, modules: dict, experts: dict[int, ExpertLayerLoRA]) -> AdapterSpec:
+    expert_names, expert_rank = expert_coverage(experts)
+    rank = max([header[keys["A"]][1][0] for keys in modules.values()] + [expert_rank])
+    targets = tuple(sorted({t for _, t in modules} | expert_names, key=_TARGET_ORDER.index))
+    return AdapterSpec(name, str(path), rank, targets)
 
 
 def _check_config(config: dict, max_lora_rank: int) -> None:
@@ -199,25 +204,26 @@ def _check_config(config: dict, max_lora_rank: int) -> None:
     targets = config.get("target_modules")
     names = [targets] if isinstance(targets, str) else list(targets or [])
     for target in names:
-        if isinstance(targets, list) and target not in SUPPORTED_TARGETS:
+        if isinstance(targets, list) and target.rsplit(".", 1)[-1] not in _CONFIG_TARGETS:   # PEFT matches suffixes
             raise AdapterError(f"target_modules contains {target!r}, which is not supported; "
                                f"supported target modules: {list(SUPPORTED_TARGETS)}")
 
 
-def _check_modules(name: str, path: Path, header: dict, arch: ArchConfig,
-                   max_lora_rank: int) -> dict[tuple[int, str], dict[str, str]]:
-    """(layer, target) -> {"A": key, "B": key}, in key order, once every module has both matrices of
-    shapes that fit the base model."""
+def _check_modules(name: str, path: Path, header: dict, data_start: int, config: dict, arch: ArchConfig,
+                   max_lora_rank: int) -> tuple[dict[tuple[int, str], dict[str, str]], dict[int, ExpertLayerLoRA]]:
+    """((layer, target) -> {"A": key, "B": key}, in key order, once every module has both matrices of
+    shapes that fit the base model; MoE layer -> its expert LoRA)."""
+    experts, dense = split_expert_tensors(header, data_start, config, arch, max_lora_rank)
     pairs: dict[tuple[int, str], dict[str, str]] = {}
-    for key in header:
-        if arch.is_moe:
-            _check_moe_key(key)
-        m = _KEY.search(key)
+    for key in dense:
+        m = (MOE_KEY if arch.is_moe else _KEY).search(key)
         if m is None:
             raise AdapterError(f"adapter tensor {key!r} is not supported: only lora_A/lora_B weights of "
                                f"{', '.join(SUPPORTED_TARGETS)} are")
         layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
-        if target not in SUPPORTED_TARGETS:
+        if arch.is_moe:
+            check_moe_target(key, layer, target, arch)
+        elif target not in SUPPORTED_TARGETS:
             raise AdapterError(f"adapter targets module {target!r}, which the base model lacks or "
                                f"LoRA does not support; supported: {list(SUPPORTED_TARGETS)}")
         pairs.setdefault((layer, target), {})[ab] = key
@@ -227,26 +233,18 @@ def _check_modules(name: str, path: Path, header: dict, arch: ArchConfig,
             raise AdapterError(f"adapter '{name}': layer {layer} {target} has lora_A or lora_B missing")
         _check_shapes(name, layer, target, header[keys["A"]][1], header[keys["B"]][1], arch, expected,
                       max_lora_rank)
-    if not pairs:
+    if not pairs and not experts:
         raise AdapterError(f"adapter '{name}': {path} holds no LoRA weights for {', '.join(SUPPORTED_TARGETS)}")
-    return dict(sorted(pairs.items()))
-
-
-def _check_moe_key(key: str) -> None:
-    """On a mixture-of-experts base model only attention LoRA is served for now: refuse the rest by name."""
-    if ".experts." in key or "block_sparse_moe" in key:
-        raise AdapterError(f"adapter tensor {key!r} targets the experts: expert LoRA is not supported yet")
-    if ".mlp." in key:
-        raise AdapterError(f"adapter tensor {key!r} targets the MLP of a mixture-of-experts model (router, shared "
-                           "expert or dense layer), which LoRA does not support yet; only q_proj, k_proj, v_proj "
-                           "and o_proj are")
+    return dict(sorted(pairs.items())), experts
 
 
 def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each target module of the base model."""
+    """(in_features, out_features) of each target module of the base model (dense layers' MLP for gate_proj,
+    up_proj, down_proj; the shared expert's on Qwen2-MoE)."""
     h, i = arch.hidden_size, arch.intermediate_size
     return {"q_proj": (h, arch.q_size), "k_proj": (h, arch.kv_size), "v_proj": (h, arch.kv_size),
-            "o_proj": (arch.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            "o_proj": (arch.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            **shared_expert_shapes(arch)}
 
 
 def _check_shapes(name: str, layer: int, target: str, a: tuple[int, ...], b: tuple[int, ...], arch: ArchConfig,
@@ -261,13 +259,3 @@ def _check_shapes(name: str, layer: int, target: str, a: tuple[int, ...], b: tup
     if a[0] > max_lora_rank:
         raise AdapterError(f"LoRA rank {a[0]} is greater than max_lora_rank {max_lora_rank}. "
                            "Raise --max-lora-rank to serve it.")
-
-
-def module_scaling(config: dict, module_key: str, rank: int) -> float:
-    """PEFT's rule: alpha (alpha_pattern overrides lora_alpha) / r, or / sqrt(r) with use_rslora."""
-    alpha = config.get("lora_alpha", 8)
-    for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module_key):
-            alpha = value
-            break
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from worker.lora.adapter import module_scaling, read_config
+from worker.lora.peft_config import module_scaling, read_config
 from worker.lora.errors import AdapterError
 from worker.lora.safetensors_file import read_header
 

@@ -3,6 +3,7 @@
 Owned by the model runner. Slot assignment is decided elsewhere (the scheduler's slot table); this
 pool copies a packed adapter (host_cache.HostAdapter, already in the slot's byte layout,
 lora/slot_layout.py) into a slot with one copy, on a dedicated stream on CUDA, and keeps the per-slot ranks.
+Every projection's `Linear.lora` and every sparse MoE layer's `SparseMoE.lora` are views of these slots.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class GPULoRAPool:
         for (layer, name), w in self.weights.items():
             w.lora_stream = lora_stream
             model.projection(layer, name).lora = w
+        self.expert_weights = self.layout.expert_views(self.slots)     # sparse MoE layer -> MoELoRAWeights
+        for layer, w in self.expert_weights.items():
+            model.moe_block(layer).lora = w
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None   # adapter copies only
         self._in_flight: list[SlotLoad] = []          # issue order, which is completion order
         self._unjoined: dict[int, torch.cuda.Event] = {}   # slot -> end of its latest copy

@@ -6,6 +6,9 @@ the per-slice scalings; each projection's LoRAWeights are strided views across a
     slot s: [ L0.qkv: A | B | scalings ][ L0.o_proj: A | B | scalings ] ... [ Ln.down_proj: ... ]
     LoRAWeights.a of L0.qkv = slots[:, a_offset : a_offset + a_bytes] viewed as [num_slots, 3 * R, hidden]
 
+On a mixture-of-experts model the dense regions (attention, dense layers' MLPs, shared experts) are followed
+by one expert region per sparse layer, read as MoELoRAWeights (lora/expert_layout.py).
+
 The host cache keeps adapters in this layout, so a load into a GPU slot is one copy (lora/gpu_pool.py).
 """
 from __future__ import annotations
@@ -19,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.batch import LoRAWeights
+from worker.batch import LoRAWeights, MoELoRAWeights
 from worker.lora.adapter import (AdapterBytes, AdapterError, AdapterSource, AdapterSpec, ModuleBytes, ModuleSource,
                                  locate_adapter, read_adapter)
+from worker.lora.expert_layout import expert_regions, expert_views, pack_expert_layer
 from worker.lora.file_reads import read_in_parts
 from worker.lora.host_cache import HostAdapter
 from worker.models.hf_config import ArchConfig
@@ -62,7 +66,7 @@ class SlotLayout:
             self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape,
                                                   tuple(proj.slice_offsets))
             offset = s_offset + _aligned(4 * n)
-        self.num_bytes = offset
+        self.expert_regions, self.num_bytes = expert_regions(model, max_rank, dtype, offset)
 
     def views(self, slots: torch.Tensor) -> dict[tuple[int, str], LoRAWeights]:
         """Per-projection weights over `slots` ([num_slots, num_bytes] uint8), sharing its storage."""
@@ -76,6 +80,10 @@ class SlotLayout:
                                  slice_offsets=r.slice_offsets)
                 for key, r in self.regions.items()}
 
+    def expert_views(self, slots: torch.Tensor) -> dict[int, MoELoRAWeights]:
+        """Per sparse MoE layer, its expert LoRA over `slots` ([num_slots, num_bytes] uint8), sharing its storage."""
+        return expert_views(slots, self.expert_regions)
+
     @torch.no_grad()
     def pack(self, adapter: AdapterBytes, pin: bool) -> torch.Tensor:
         """`adapter` as one slot's bytes ([num_bytes] uint8), built by a single concatenation of its
@@ -85,8 +93,9 @@ class SlotLayout:
         A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R.
         """
         assert adapter.dtype == self.dtype, f"adapter read as {adapter.dtype}, slots hold {self.dtype}"
-        parts = [("bytes", m.a) if kind == "a" else ("bytes", self._b_rows(m)) if kind == "b" else (kind, m)
-                 for kind, m in self._parts(adapter.modules)]
+        parts = [("bytes", m.a) if kind == "a" else ("bytes", self._b_rows(m)) if kind == "b" else
+                 ("bytes", pack_expert_layer(m[1], adapter.experts.get(m[0]), adapter.file)) if kind == "experts"
+                 else (kind, m) for kind, m in self._parts(adapter.modules)]
         return self._concatenate(parts, pin)
 
     @torch.no_grad()
@@ -95,11 +104,13 @@ class SlotLayout:
         """The slot bytes of `source` (adapter.locate_adapter) as `pack` builds them, with the weights read
         from the file straight into place: one scattered read (os.preadv) per file-contiguous run of
         tensors, no staging copy. None when the file stores another dtype than the slots' (read_adapter
-        converts it, then pack). The reads release the GIL for their whole length, so a reader thread
+        converts it, then pack), and None for an adapter with expert LoRA: its formats need a layout change
+        (B de-interleaved, matrices repeated over experts), so read_adapter + pack build its one contiguous
+        buffer instead. The reads release the GIL for their whole length, so a reader thread
         barely holds up the step loop. `out`: a [num_bytes] uint8 buffer to fill (every byte is written).
         `pool`, `parts`: split the file reads into up to `parts` pieces read side by side on `pool`.
         """
-        if source.dtypes != {self.dtype}:
+        if source.dtypes != {self.dtype} or source.experts:
             return None
         item, R = self.dtype.itemsize, self.max_rank
         packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin) if out is None else out
@@ -123,6 +134,9 @@ class SlotLayout:
                     rows = np.empty(value.b[1] - value.b[0], dtype=np.uint8)
                     reads.append((value.b[0], memoryview(rows)))
                     padded.append((offset, value, rows))
+            elif kind == "experts":         # an adapter without expert LoRA: its expert regions are zero
+                size = value[1].num_bytes
+                buf[offset:offset + size] = 0
             elif kind == "scalings":
                 size = 4 * len(value)
                 buf[offset:offset + size] = np.array(value, dtype=np.float32).view(np.uint8)
@@ -140,7 +154,8 @@ class SlotLayout:
 
     def _parts(self, modules: dict) -> list[tuple[str, object]]:
         """The slot's bytes in order: ("a", module) its lora_A rows, ("b", module) its lora_B rows padded to R
-        columns, ("zeros", count), ("scalings", floats); modules: (layer, target) -> ModuleBytes or ModuleSource."""
+        columns, ("zeros", count), ("scalings", floats), then ("experts", (layer, ExpertRegion)) per sparse MoE
+        layer; modules: (layer, target) -> ModuleBytes or ModuleSource."""
         item, R = self.dtype.itemsize, self.max_rank
         by_slice = {(layer, *self.targets[target]): m for (layer, target), m in modules.items()}
         parts: list[tuple[str, object]] = []
@@ -156,7 +171,7 @@ class SlotLayout:
             parts.append(("zeros", region.scalings_offset - region.b_offset - out_features * R * item))
             parts.append(("scalings", [0.0 if m is None else m.scaling for m in slices]))
             parts.append(("zeros", _aligned(4 * len(slices)) - 4 * len(slices)))
-        return parts
+        return parts + [("experts", entry) for entry in self.expert_regions.items()]
 
     def _b_rows(self, m: ModuleBytes) -> torch.Tensor:
         """lora_B bytes with each row padded to R columns."""

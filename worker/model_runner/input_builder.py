@@ -77,7 +77,7 @@ class InputBuilder:
                   "slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
                   "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
                   "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
-                  "weight_indices": ([max_num_tokens], i32),
+                  "weight_indices": ([max_num_tokens], i32), "token_slots": ([max_num_tokens], i32),
                   "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64)}
         # all fields are views of one byte buffer per side, so a step's inputs go over in one copy
         self._host_bufs = [_byte_buffer(shapes, torch.device("cpu"), pin) for _ in range(2)]
@@ -106,7 +106,7 @@ class InputBuilder:
             _pad_mixed(rows, *mixed_pad)
             max_query_len = mixed_pad[0]
         self._write_host(rows)
-        lora_info = self._build_lora(batch, pad_to, lora, mixed_pad)
+        lora_info = self._build_lora(batch, pad_to, lora, mixed_pad, len(rows.ids))
         self._to_device()
         self._gather_pending(rows, prev_tokens)
         return self._forward_batch(rows, max_query_len, lora_info)
@@ -171,11 +171,13 @@ class InputBuilder:
         return self._host_sets[self._current]
 
     def _build_lora(self, batch: ScheduledBatch, pad_to: int | None, force: bool | None,
-                    mixed_pad: tuple[int, int] | None = None) -> LoRABatchInfo | None:
+                    mixed_pad: tuple[int, int] | None, num_tokens: int) -> LoRABatchInfo | None:
         """Merge consecutive sequences of the same slot into segments (not when padding for a decode graph;
-        a mixed graph's padding adds empty segments up to its sequence count).
+        a mixed graph's padding adds empty segments up to its sequence count), and give each of the
+        `num_tokens` token rows its slot (the MoE-LoRA kernels' token_slots; padding rows -1).
 
-        Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b].
+        Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b],
+        token_slots [a, a, a, a, -1, -1, b, b] (and -1 for each padding row after them).
         """
         indptr, weights = [0], []
         for seq in batch.seqs:
@@ -201,11 +203,15 @@ class InputBuilder:
         h = self._host_np[self._current]
         h["seg_indptr"][:len(indptr)] = indptr
         h["weight_indices"][:len(weights)] = weights
+        token_slots = [w for w, lo, hi in zip(weights, indptr, indptr[1:]) for _ in range(hi - lo)]
+        token_slots += [-1] * (num_tokens - len(token_slots))
+        h["token_slots"][:num_tokens] = token_slots
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
                              max_rank=max_rank, max_seg_len=max_seg_len,
-                             overlap=pad_to is not None,
-                             seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks))
+                             token_slots=self.dev["token_slots"][:num_tokens], overlap=pad_to is not None,
+                             seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks),
+                             token_slots_host=token_slots)
 
     def _to_device(self) -> None:
         self._dev_buf.copy_(self._host_bufs[self._current], non_blocking=True)

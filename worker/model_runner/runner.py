@@ -11,6 +11,7 @@ from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks
+from worker.layers.moe import SparseMoE
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
@@ -52,10 +53,24 @@ class StepHandle:
         return self._result
 
 
+def profile_lengths(tokens: int, max_seqs: int, max_model_len: int) -> list[int]:
+    """New-token counts of the profiling step: min(max_seqs, tokens) sequences of `tokens` tokens in all, the
+    first ones as long as max_model_len allows, the rest one token each (every sequence samples a token).
+
+    tokens 10, max_seqs 4, max_model_len 5 -> [5, 3, 1, 1]"""
+    lens = [1] * min(max_seqs, tokens)
+    extra = tokens - len(lens)
+    for i in range(len(lens)):
+        add = min(extra, max_model_len - 1)
+        lens[i] += add
+        extra -= add
+    return lens
+
+
 class ModelRunner:
     def __init__(self, config: WorkerConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int):
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.plan: MemoryPlan | None = None     # None when the configuration fixes the KV pool's size
         free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         m, sched, cache = config.model, config.scheduler, config.cache
@@ -67,6 +82,9 @@ class ModelRunner:
                                           cache.block_size, device, self.lora_pool.ranks_host,
                                           self.lora_pool.ranks)
         self.sampler = Sampler(arch.vocab_size, seed=m.seed, device=device, eos_token_ids=list(arch.eos_token_ids))
+        self.moe_buffer_bytes = 0
+        if arch.is_moe and device.type == "cuda":
+            self.moe_buffer_bytes = self._attach_moe_workspaces(arch, config)
         use_graphs = device.type == "cuda" and not config.enforce_eager
         graph_tokens = min(config.mixed_graph_max_tokens, sched.max_num_batched_tokens)
         num_blocks = fixed_num_blocks(arch, cache, dtype, device)
@@ -78,10 +96,7 @@ class ModelRunner:
         self.graph_runner = None
         if device.type == "cuda":
             self._warm_up(cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80), sched.max_num_seqs)
-        if use_graphs and arch.is_moe:
-            logger.info("%s runs eagerly (as with --enforce-eager): its MoE layers have no graph-safe kernels yet",
-                        arch.architecture)
-        elif use_graphs:
+        if use_graphs:
             free_before = torch.cuda.mem_get_info(device)[0]
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
                                                 sched.max_num_seqs, graph_tokens)
@@ -89,6 +104,21 @@ class ModelRunner:
             taken = free_before - torch.cuda.mem_get_info(device)[0]
             logger.info("CUDA graphs took %.2f GiB (%s)", taken / 2**30,
                         f"planned {self.plan.graphs / 2**30:.2f} GiB" if self.plan else "no memory plan")
+
+    def _attach_moe_workspaces(self, arch: ArchConfig, config: WorkerConfig) -> int:
+        """The buffers every sparse MoE layer's kernels work in (kernels/moe.py, kernels/moe_lora.py), one set
+        shared by all layers, sized for the largest step; returns their bytes."""
+        from worker.kernels.moe import MoEWorkspace  # Triton; imported here so CPU installs need none
+        from worker.kernels.moe_lora import MoELoRAWorkspace
+        tokens, lora = config.scheduler.max_num_batched_tokens, config.lora
+        shape = (tokens, arch.num_experts, arch.num_experts_per_tok)
+        experts = MoEWorkspace(*shape, arch.hidden_size, arch.moe_intermediate_size, self.dtype, self.device)
+        lora_ws = MoELoRAWorkspace(*shape, lora.max_lora_rank, lora.max_loras, self.device)
+        for block in self.model.modules():
+            if isinstance(block, SparseMoE):
+                block.attach_workspaces(experts, lora_ws)
+        return (MoEWorkspace.num_bytes(*shape, arch.hidden_size, arch.moe_intermediate_size, self.dtype)
+                + MoELoRAWorkspace.num_bytes(*shape, lora.max_lora_rank, lora.max_loras))
 
     def _plan_memory(self, config: WorkerConfig, arch: ArchConfig, max_model_len: int, free_at_start: int,
                      use_graphs: bool, graph_tokens: int) -> MemoryPlan:
@@ -108,7 +138,8 @@ class ModelRunner:
             total=total, free_at_start=free_at_start, free_now=free_now,
             torch_reserved=torch.cuda.memory_reserved(device),
             weights=sum(p.numel() * p.element_size() for p in self.model.parameters()),
-            lora_slots=self.lora_pool.num_bytes, moe_buffers=0, activations=activations, graphs=graphs,
+            lora_slots=self.lora_pool.num_bytes, moe_buffers=self.moe_buffer_bytes, activations=activations,
+            graphs=graphs,
             kv_bytes_per_token=bytes_per_block(arch, cache.block_size, self.dtype) // cache.block_size,
             limits=MemoryLimits(cache.gpu_memory_utilization, max_model_len, sched.max_num_seqs,
                                 sched.max_num_batched_tokens, config.lora.max_loras))
@@ -141,12 +172,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_peak(self, arch: ArchConfig, block_size: int, tokens: int, max_seqs: int, eager: bool) -> int:
-        """Device bytes a step of `tokens` tokens over min(max_seqs, tokens) sequences takes above what is
-        allocated before it: the forward with LoRA on and, for an `eager` step, the long sequence scoring its
-        whole prompt (prompt logprobs) and every sequence sampling with the costliest settings (top-p, top-k,
+        """Device bytes a step of `tokens` tokens over min(max_seqs, tokens) sequences (profile_lengths) takes
+        above what is allocated before it: the forward with LoRA on and, for an `eager` step, the first sequence
+        scoring its whole prompt (prompt logprobs) and every sequence sampling with the costliest settings (top-p, top-k,
         penalties, logprobs); a graph holds the forward alone. K/V go to a temporary pool freed afterwards."""
-        seqs = min(max_seqs, tokens)
-        lens = [tokens - seqs + 1] + [1] * (seqs - 1)
+        lens = profile_lengths(tokens, max_seqs, self.max_model_len)
         kv = KVPool(arch, block_size, sum(-(-n // block_size) for n in lens), self.dtype, self.device)
         batch, first_block = ScheduledBatch(), 0
         for i, n in enumerate(lens):

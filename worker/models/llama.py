@@ -123,6 +123,10 @@ class LlamaForCausalLM(nn.Module):
         return [(layer, name) for layer in range(self.cfg.num_layers)
                 for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
 
+    def lora_expert_layers(self) -> list[int]:
+        """The layers whose sparse MoE block takes expert LoRA (MoE models override it)."""
+        return []
+
     def projection(self, layer: int, name: str) -> Linear:
         """Our fused projection `name` (qkv_proj, o_proj, gate_up_proj, down_proj) of a layer."""
         block = self.layers[layer]

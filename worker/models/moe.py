@@ -1,8 +1,9 @@
 """Mixture-of-experts decoders: Qwen3-MoE, Mixtral and Qwen2-MoE (with its gated shared expert).
 
 The Llama-family decoder (models/llama.py) with a sparse MoE block (layers/moe.py) as the MLP of its sparse
-layers; layers the config keeps dense (`mlp_only_layers`, `decoder_sparse_step`) get a LlamaMLP. LoRA for
-now covers the attention projections only: expert LoRA comes with the MoE-LoRA kernels.
+layers; layers the config keeps dense (`mlp_only_layers`, `decoder_sparse_step`) get a LlamaMLP. LoRA covers the
+attention projections, the dense layers' MLPs, Qwen2-MoE's shared expert (all as Linear slot regions) and the
+experts of every sparse layer (`SparseMoE.lora`, the slot's expert regions: lora/expert_layout.py).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from worker.layers.kernel_choices import KernelChoices
+from worker.layers.linear import Linear
 from worker.layers.moe import SparseMoE
 from worker.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -18,8 +20,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose sparse layers route each token to its top-k experts."""
     # Mixtral multiplies by the float32 routing weights; Qwen casts them to the hidden dtype first
     float32_routing_weights = False
-    lora_targets = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                    "o_proj": ("o_proj", 0)}
+    # LoRA target module -> (our projection, slice): gate/up/down_proj are the dense layers' MLP, shared_expert.*
+    # Qwen2-MoE's shared expert (lora/moe_adapter.py checks which layer has which)
+    lora_targets = {**LlamaForCausalLM.lora_targets,
+                    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
+                    "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
+                    "shared_expert.down_proj": ("shared_expert.down_proj", 0)}
 
     def build_mlp(self, layer: int, dtype: torch.dtype, kernels: KernelChoices) -> nn.Module:
         c = self.cfg
@@ -31,8 +37,27 @@ class MoEForCausalLM(LlamaForCausalLM):
                          c.norm_topk_prob, self.float32_routing_weights, dtype, kernels, shared)
 
     def lora_projections(self) -> list[tuple[int, str]]:
-        """Attention only, in layer order: expert, shared-expert and dense-layer MLP LoRA are not served yet."""
-        return [(layer, name) for layer in range(self.cfg.num_layers) for name in ("qkv_proj", "o_proj")]
+        """In layer order: attention, then a dense layer's MLP or a sparse layer's shared expert (if any)."""
+        projections = []
+        for layer in range(self.cfg.num_layers):
+            projections += [(layer, "qkv_proj"), (layer, "o_proj")]
+            if not self.cfg.is_sparse_layer(layer):
+                projections += [(layer, "gate_up_proj"), (layer, "down_proj")]
+            elif self.cfg.shared_expert_intermediate_size:
+                projections += [(layer, "shared_expert.gate_up_proj"), (layer, "shared_expert.down_proj")]
+        return projections
+
+    def lora_expert_layers(self) -> list[int]:
+        return [layer for layer in range(self.cfg.num_layers) if self.cfg.is_sparse_layer(layer)]
+
+    def moe_block(self, layer: int) -> SparseMoE:
+        return self.layers[layer].mlp
+
+    def projection(self, layer: int, name: str) -> Linear:
+        """Our fused projection `name` of a layer; "shared_expert.gate_up_proj" / ".down_proj": the shared expert's."""
+        if name.startswith("shared_expert."):
+            return getattr(self.layers[layer].mlp.shared_expert, name.removeprefix("shared_expert."))
+        return super().projection(layer, name)
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):

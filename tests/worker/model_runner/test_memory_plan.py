@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from worker.model_runner.memory_plan import NON_TORCH_CAP_BYTES, GiB, MemoryLimits, MemoryPlanError, plan_memory
+from worker.model_runner.runner import profile_lengths
 
 LIMITS = MemoryLimits(gpu_memory_utilization=0.9, max_model_len=8192, max_num_seqs=256,
                       max_num_batched_tokens=2048, max_loras=4)
@@ -64,3 +65,13 @@ def test_one_max_length_sequence_is_the_least_the_pool_may_hold():
     assert plan(activations=left - need).kv == need
     with pytest.raises(MemoryPlanError):
         plan(activations=left - need + 1)
+
+
+@pytest.mark.parametrize("tokens, max_seqs, max_model_len, lens", [
+    (10, 4, 5, [5, 3, 1, 1]),            # the running example
+    (2048, 256, 4096, [1793] + [1] * 255),
+    (4096, 8, 1024, [1024] * 3 + [1020] + [1] * 4),   # none past max_model_len (the block tables' width)
+    (3, 8, 100, [1, 1, 1]),
+])
+def test_the_profiling_step_fills_the_token_budget_within_max_model_len(tokens, max_seqs, max_model_len, lens):
+    assert profile_lengths(tokens, max_seqs, max_model_len) == lens

@@ -1,5 +1,6 @@
 """MoE base models (Qwen3-MoE, Mixtral, Qwen2-MoE) served through the Engine match HF transformers (+ PEFT on the
-attention) row for row, fp32 on the CPU; both checkpoint layouts and dummy weights load."""
+attention) row for row, fp32 on the CPU; both checkpoint layouts and dummy weights load; LoRA on a module the
+base cannot serve is refused by name (expert LoRA: test_moe_lora_vs_hf.py)."""
 from __future__ import annotations
 
 import shutil
@@ -145,18 +146,24 @@ def test_dummy_weights_build_and_step(hf_moe_models, arch, tmp_path):
     assert all(torch.isfinite(rows).all() for rows in logits.values())
 
 
-@pytest.mark.parametrize("key, words", [
-    ("base_model.model.model.layers.0.mlp.experts.1.gate_proj.lora_A.weight", "expert LoRA is not supported yet"),
-    ("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight", "expert LoRA is not supported yet"),
-    ("base_model.model.model.layers.1.mlp.gate.lora_A.weight", "only q_proj, k_proj, v_proj and o_proj"),
+@pytest.mark.parametrize("arch, key, words", [
+    ("qwen3_moe", "base_model.model.model.layers.0.mlp.experts.1.gate_proj.lora_A.weight", "no lora_B beside it"),
+    ("qwen3_moe", "base_model.model.model.layers.0.mlp.experts.gate_up.lora_A.weight", "format that is not understood"),
+    ("qwen3_moe", "base_model.model.model.layers.1.mlp.gate.lora_A.weight", "LoRA on the MoE router"),
+    ("mixtral", "base_model.model.model.layers.1.block_sparse_moe.gate.lora_A.weight", "LoRA on the MoE router"),
+    ("qwen3_moe", "base_model.model.model.layers.1.mlp.gate_proj.lora_A.weight", "sparse MoE layer"),
+    ("qwen3_moe", "base_model.model.model.layers.1.mlp.shared_expert.gate_proj.lora_A.weight", "sparse MoE layer"),
+    ("qwen2_moe", "base_model.model.model.layers.0.mlp.shared_expert_gate.lora_A.weight", "shared expert's gate"),
+    ("qwen2_moe", "base_model.model.model.layers.1.mlp.shared_expert.up_proj.lora_A.weight", "dense MLP"),
 ])
-def test_adapter_on_the_mlp_of_a_moe_model_is_refused(hf_moe_models, tmp_path, key, words):
-    source = adapter_dir(hf_moe_models["qwen3_moe"], "r4-qv")
+def test_adapter_on_a_module_a_moe_model_cannot_serve_is_refused_by_name(hf_moe_models, tmp_path, arch, key, words):
+    source = adapter_dir(hf_moe_models[arch], "r4-qv")
     shutil.copytree(source, tmp_path / "a")
     tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     tensors[key] = torch.zeros(4, 64)
     save_file(tensors, str(tmp_path / "a" / "adapter_model.safetensors"))
-    arch = ArchConfig.from_dir(hf_moe_models["qwen3_moe"])
-    with pytest.raises(AdapterError, match=words):
-        inspect_adapter("bad", tmp_path / "a", arch, 8)
-    inspect_adapter("good", source, arch, 8)   # the attention adapter itself is served
+    arch_config = ArchConfig.from_dir(hf_moe_models[arch])
+    with pytest.raises(AdapterError, match=words) as raised:
+        inspect_adapter("bad", tmp_path / "a", arch_config, 8)
+    assert key.removeprefix("base_model.model.") in str(raised.value)
+    inspect_adapter("good", source, arch_config, 8)   # the attention adapter itself is served
