@@ -7,7 +7,6 @@ and off."""
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
