@@ -77,7 +77,7 @@ def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_s
 
 
 def start_requests(engine: Engine, batch: int, adapters: list[str | None], prefix: str,
-                   prompt_len: int = 128) -> list[str]:
+                   prompt_len: int = 128, distinct: bool = False) -> list[str]:
     """Add `batch` requests (adapters cycled) and step until every one has its first token (prefilled), then
     5 decode steps; returns their ids.
 
@@ -87,7 +87,8 @@ def start_requests(engine: Engine, batch: int, adapters: list[str | None], prefi
     params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
     request_ids = [f"{prefix}{i}" for i in range(batch)]
     for i, request_id in enumerate(request_ids):
-        engine.add_request(request_id, list(range(100, 100 + prompt_len)), params, adapters[i % len(adapters)])
+        first = 100 + (1000 * i if distinct else 0)     # distinct: other tokens per request (MoE routing differs)
+        engine.add_request(request_id, list(range(first, first + prompt_len)), params, adapters[i % len(adapters)])
     started: set[str] = set()
     while len(started) < batch:                        # prefill (and any adapter loads)
         for out in engine.step():
@@ -104,8 +105,8 @@ def abort_all(engine: Engine, request_ids: list[str]) -> None:
         engine.abort_request(request_id)
 
 
-def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> dict:
-    request_ids = start_requests(engine, batch, adapters, "b")
+def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: int, distinct: bool = False) -> dict:
+    request_ids = start_requests(engine, batch, adapters, "b", distinct=distinct)
     wall = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -137,10 +138,11 @@ def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps: int = 5) -> dict:
+def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps: int = 5,
+                   distinct: bool = False) -> dict:
     """Device time per step of each kernel (by name) over `steps` decode steps, largest first."""
     from torch.profiler import ProfilerActivity, profile
-    request_ids = start_requests(engine, batch, adapters, "p")     # the profile sees decode steps only
+    request_ids = start_requests(engine, batch, adapters, "p", distinct=distinct)   # the profile sees decode steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()

@@ -6,7 +6,9 @@
 Random bf16 weights (`--load-format dummy`); adapters of rank 16 on q, k, v, o and every expert's gate, up
 and down (PEFT target_parameters layout, bench/make_adapters.py). Runs: batch 1 without and with an adapter,
 batch 32 without and with 8 distinct adapters, each with CUDA graphs and eagerly. Step times are the wall time
-of Engine.step() and, with graphs, the decode graph's replay alone (bench/decode_step.py's timing).
+of Engine.step() and, with graphs, the decode graph's replay alone (bench/decode_step.py's timing). Every
+request has its own prompt, so a batch's tokens route to different experts as real traffic does (with one
+prompt for all, a batch of 32 reads the 8 experts of one token).
 
 The batch-1 floor is the bytes that step must read at the copy bandwidth measured in the same run: the
 attention and norm weights of every layer, the router, the top-k experts the token is routed to, the LM
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_step import copy_bandwidth, time_decode
+from bench.decode_step import copy_bandwidth, kernel_profile, time_decode
 from bench.make_adapters import make_adapter
 from worker.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs", "eager"])
+    parser.add_argument("--profile", action="store_true", help="per-kernel device time of the batch-32 graph steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -101,11 +104,16 @@ def main() -> None:
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             for name, (batch, names) in RUNS.items():
-                result = time_decode(engine, batch, names, args.steps)
+                result = time_decode(engine, batch, names, args.steps, distinct=True)
                 if batch == 1:
                     result["floor_ms"] = 1e3 * batch1_floor_bytes(arch, RANK if names[0] else 0) / bandwidth
                 results["runs"][f"{mode}_{name}"] = result
                 logger.info("%s %s: %s", mode, name, result)
+            if args.profile and mode == "graphs":
+                for name in ("b32_base", "b32_8lora16"):
+                    profile = kernel_profile(engine, *RUNS[name], distinct=True)
+                    results.setdefault("profile", {})[name] = profile
+                    logger.info("profile %s: %s", name, json.dumps(profile["kernels"][:12]))
             del engine
             gc.collect()
             torch.cuda.empty_cache()

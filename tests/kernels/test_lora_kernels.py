@@ -391,3 +391,28 @@ def test_kernels_replay_in_cuda_graph_with_new_metadata_without_syncs():
         assert torch.equal(static["y"], eager_y)
         real = batch.seg_indptr[-1]
         assert torch.equal(static["y"][real:], y0[real:]), "padding rows must be untouched"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_slot_offsets_past_two_to_the_31_elements():
+    """A MoE adapter slot holds ~1.7 GB (Qwen3-30B-A3B experts at rank 16): the offset of slot w, w * (slot
+    stride in elements), passes 2**31 from the third slot. Slots of 4.5 GB: the last slot's weights and
+    scalings lie past 2**31 float32 elements from the pool's start."""
+    num_slots, slot_bytes, out_dim, rank, tokens = 3, 4_500_000_000 // 256 * 256, 256, 16, 4
+    slots = torch.zeros(num_slots, slot_bytes, dtype=torch.uint8, device="cuda")
+    b_bytes = out_dim * rank * 2
+    b = slots[:, :b_bytes].view(torch.bfloat16).unflatten(1, (out_dim, rank))          # [S, out, R]
+    scalings = slots[:, slot_bytes - 256:slot_bytes - 252].view(torch.float32)         # [S, 1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for w in range(num_slots):
+        b[w].copy_(torch.randn(out_dim, rank, generator=gen, device="cuda"))
+        scalings[w] = 0.5 + w
+    xa = torch.randn(tokens, rank, generator=gen, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(tokens, out_dim, dtype=torch.bfloat16, device="cuda")
+    seg = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    last = torch.tensor([num_slots - 1], dtype=torch.int32, device="cuda")
+    ranks = torch.full((num_slots,), rank, dtype=torch.int32, device="cuda")
+    lora_expand(y, xa, b, seg, last, ranks, scalings, (0, out_dim), 1, tokens)
+    expected = reference.linear(xa.float(), b[num_slots - 1].float()) * (0.5 + num_slots - 1)
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2)

@@ -73,6 +73,18 @@ def test_route_breaks_ties_by_lower_index():
     assert ws.topk_ids[0].tolist() == [1, 3, 4, 7]
 
 
+def test_route_of_a_non_finite_row_still_names_experts():
+    """A NaN or inf in the hidden state (the sampler ends such a request) must not send rows to an expert
+    that does not exist: the expert GEMMs would read past the weights."""
+    logits = torch.tensor([[float("nan")] * 6, [0.0, float("inf"), 1.0, 0.0, 0.0, 0.0],
+                           [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]], device=DEVICE)
+    ws = workspace(3, 6, 3, 8, 8, torch.float32)
+    moe.route(logits, 3, True, ws)
+    ids = ws.topk_ids[:3]
+    assert bool(((ids >= 0) & (ids < 6)).all())
+    assert ids[0].tolist() == [0, 1, 2] and ids[2].tolist() == [5, 4, 3]
+
+
 @pytest.mark.parametrize("shape", [SMALL, ODD], ids=["pow2", "odd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_tokens", TOKENS)

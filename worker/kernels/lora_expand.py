@@ -97,7 +97,7 @@ def _lora_expand_kernel(
             else:
                 acc = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, s * MAX_RANK, rank,
                                    stride_xam, stride_bo, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
-            delta += acc * tl.load(scalings_ptr + w * stride_sw + s)
+            delta += acc * tl.load(scalings_ptr + w.to(tl.int64) * stride_sw + s)   # slots may pass 2**31 elements
     if ACCUMULATE:
         delta += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)

@@ -80,13 +80,14 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.c
     mask = offs < num_experts
     logits = tl.load(logits_ptr + t.to(tl.int64) * stride_t + offs, mask=mask, other=-float("inf")).to(tl.float32)
     e = tl.exp(logits - tl.max(logits, axis=0))
-    p = tl.where(mask, e / tl.sum(e, axis=0), -1.0)
+    p = e / tl.sum(e, axis=0)
+    p = tl.where(mask & (p == p), p, -1.0)          # a NaN row (non-finite hidden state) picks experts 0, 1, ...
     slots = tl.arange(0, BLOCK_K)                                            # the K choices, padded
     weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
     ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)
+        idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), axis=0), num_experts - 1)   # always an expert
         weights = tl.where(slots == j, best, weights)
         ids = tl.where(slots == j, idx, ids)
         p = tl.where(offs == idx, -2.0, p)

@@ -101,6 +101,7 @@ class ModelRunner:
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
                                                 sched.max_num_seqs, graph_tokens)
             self.graph_runner.capture()
+            torch.cuda.empty_cache()     # the capture warm-ups' blocks, cached for their side stream alone
             taken = free_before - torch.cuda.mem_get_info(device)[0]
             logger.info("CUDA graphs took %.2f GiB (%s)", taken / 2**30,
                         f"planned {self.plan.graphs / 2**30:.2f} GiB" if self.plan else "no memory plan")
