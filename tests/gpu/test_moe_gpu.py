@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from tests.gpu.hf_compare import assert_bf16_tracks_hf, hf_teacher_forced
 from tests.moe_fixtures import HandExpertAdapter, PeftExpertAdapter, save_hand_expert_adapter, save_peft_expert_adapter
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
@@ -20,8 +21,6 @@ NUM_STEPS = 32
 # with attention LoRA, and on Qwen2-MoE shared-expert and dense-layer MLP LoRA too)
 ROWS = [(7, None), (23, "tp-attn"), (5, "tp-r8"), (40, None), (11, "tp-r8"), (17, "tp-attn"), (9, None)]
 SHARED_OUTER = "shared-outer"      # a stacked shared-outer adapter (no PEFT form): graphs against eager only
-# as in test_engine_gpu.py: our bf16 error may be at most this factor above HF+PEFT bf16's own (medians over steps)
-BF16_ERROR_FACTOR = 2.0
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
@@ -83,48 +82,24 @@ def run(engine: Engine, rows=ROWS, capture_logits: bool = False):
     return tokens, logits
 
 
-def hf_teacher_forced(moe_model, prompt, adapter, continuation, dtype) -> torch.Tensor:
-    """HF + PEFT logits [len(continuation), vocab] along `continuation`, in float32."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    model_dir, paths = moe_model
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, paths[adapter])
-    with torch.no_grad():
-        ids = torch.tensor([prompt + continuation[:-1]], device="cuda")
-        return model.eval()(ids).logits[0, len(prompt) - 1:].float().cpu()
-
-
-def rel_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return (logits - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)
-
-
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["grouped-batch", "no-sort-batch"])
 def test_moe_bf16_matches_hf_peft(moe_model, enforce_eager, num_rows):
     """Along our 32 greedy tokens per row (base-only rows beside two expert adapters; at 2 rows the decode
-    steps take the no-sort path, kernels/moe.py): our bf16 logits within BF16_ERROR_FACTOR of HF+PEFT bf16's
+    steps take the no-sort path, kernels/moe.py): our bf16 logits within hf_compare.BF16_ERROR_FACTOR of HF+PEFT bf16's
     own distance from HF+PEFT fp32 (medians over the steps), and our token equals HF+PEFT bf16's argmax at
     every step whose top-two margin exceeds twice the two errors together."""
     engine = make_engine(moe_model, enforce_eager)
     tokens, logits = run(engine, ROWS[:num_rows], capture_logits=True)
     if not enforce_eager:
         assert engine.runner.graph_runner.replays["decode"] > 1
+    model_dir, paths = moe_model
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), ROWS[:num_rows])):
-        ours = torch.stack(logits[f"r{i}"])
-        ref32 = hf_teacher_forced(moe_model, prompt, adapter, tokens[f"r{i}"], torch.float32)
-        ref16 = hf_teacher_forced(moe_model, prompt, adapter, tokens[f"r{i}"], torch.bfloat16)
-        ours_errs, hf_errs = rel_errors(ours, ref32), rel_errors(ref16, ref32)
-        ours_err, hf_err = ours_errs.median().item(), hf_errs.median().item()
-        assert ours_err <= BF16_ERROR_FACTOR * hf_err + 1e-3, \
-            f"row {i} ({adapter}): our median bf16 error {ours_err:.3e}, HF's {hf_err:.3e}"
-        top2 = ref16.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 2 * (ours_errs + hf_errs) * ref16.abs().amax(dim=-1)
-        assert torch.equal(ref16.argmax(dim=-1)[clear], torch.tensor(tokens[f"r{i}"])[clear]), \
-            f"row {i} ({adapter}): token differs"
-        print(f"eager={enforce_eager} row {i} ({adapter}): median/max error ours {ours_err:.2e}/"
-              f"{ours_errs.max():.2e}, HF bf16 {hf_err:.2e}/{hf_errs.max():.2e}, clear {int(clear.sum())}/{NUM_STEPS}")
+        path = None if adapter is None else paths[adapter]
+        refs = [hf_teacher_forced(model_dir, path, prompt, tokens[f"r{i}"], dtype) for dtype in (torch.float32,
+                                                                                               torch.bfloat16)]
+        print(assert_bf16_tracks_hf(torch.stack(logits[f"r{i}"]), tokens[f"r{i}"], *refs,
+                                    f"eager={enforce_eager} row {i} ({adapter})"))
 
 
 @pytest.mark.parametrize("num_rows,chunk", [(len(ROWS), None), (2, None), (len(ROWS), 24)],
