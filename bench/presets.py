@@ -61,6 +61,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
                  adapter_choice="distinct", max_concurrency=16),
         server_args="--max-loras 8 --max-cpu-loras 16"),
     _slora(5),
+    _slora(8),
     _slora(100),
     _slora(1000),
     Preset(

@@ -133,6 +133,7 @@ async def test_max_concurrency_caps_requests_in_flight(fake_send):
     ("sglang-multi-adapter", 200, 4.0, 6, "uniform", (1, 512), (1, 512)),
     ("overlap-loading", 256, math.inf, 16, "distinct", (512, 512), (128, 128)),
     ("slora-5", 600, 2.0, 5, "zipf", (8, 512), (8, 512)),
+    ("slora-8", 600, 2.0, 8, "zipf", (8, 512), (8, 512)),
     ("slora-100", 600, 2.0, 100, "zipf", (8, 512), (8, 512)),
     ("slora-1000", 600, 2.0, 1000, "zipf", (8, 512), (8, 512)),
 ])
