@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
-#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [serve-sync] [hf]
+#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [sweep] [slora] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -27,7 +27,7 @@ serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the dummy server
     "${server_args[@]}" "${extra[@]}" >> "$OUT/serve.log" 2>&1 &
   local pid=$!
   for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
-  timeout 200 python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress \
+  timeout ${SERVE_TIMEOUT:-200} python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress \
     --out "$OUT/$name$suffix.json" >> "$OUT/serve.log" 2>&1
   local rc=$?
   echo "preset $name$suffix: rc=$rc" >> "$OUT/serve.log"
@@ -70,6 +70,20 @@ for stage in $stages; do
     serve-moe)   # the MoE preset on Qwen3-30B-A3B's shape with 24 of its 48 layers (weights, 8 slots fit an 80 GB card)
              mkdir -p /tmp/qwen3-moe-24 && python3 -c "import json; c = json.load(open('bench/configs/qwen3-30b-a3b/config.json')); c['num_hidden_layers'] = 24; json.dump(c, open('/tmp/qwen3-moe-24/config.json', 'w'))"
              MODEL=/tmp/qwen3-moe-24 serve_preset moe-expert-adapters ;;
+    sweep)   # concurrency sweep 1-512 streams: base, one adapter, 64 distinct adapters (8B, 64 slots)
+             [ -d /tmp/tok-128256 ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok-128256
+             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-sweep --num 64 --rank 16 > /dev/null 2>&1
+             python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \
+               --port 8100 --uvicorn-log-level warning --max-num-seqs 512 --max-loras 64 \
+               --lora-modules $(for a in /tmp/adapters-sweep/*; do echo "${a##*/}=$a"; done) >> "$OUT/sweep.log" 2>&1 &
+             pid=$!
+             for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
+             timeout 1200 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --num-loras 64 \
+               --out "$OUT/sweep.json" >> "$OUT/sweep.log" 2>&1
+             rc=$?; kill $pid; wait $pid; (exit $rc) ;;
+    slora)   failed=0
+             for preset in slora-8 slora-100 slora-1000; do SERVE_TIMEOUT=420 serve_preset $preset || failed=1; done
+             (exit $failed) ;;
     serve-sync)   # the same presets with async scheduling off: its TTFT cost and ITL gain side by side
              failed=0
              for preset in sglang-single-adapter sglang-multi-adapter; do
