@@ -10,8 +10,8 @@ wrong content types, unknown models, out-of-range fields). Afterwards it waits f
 and checks what a long-running server must keep true:
 
 - no answer was a 5xx, and every bad request got a 4xx;
-- running and waiting requests are back to 0, and the GPU adapter slots hold no more adapters than
-  `--max-loras` with none still loading;
+- running and waiting requests are back to 0, KV-cache usage (`vllm:kv_cache_usage_perc`) is back to 0 (no
+  leaked blocks), and the GPU adapter slots hold no more adapters than `--max-loras` with none still loading;
 - the gateway's and the worker's RSS are within `--rss-tolerance` of their values after the warm-up.
 
 The JSON holds the counts per kind and status, the RSS samples and each check's result; the exit
@@ -159,14 +159,17 @@ async def traffic(url: str, seconds: float, clients: int, adapters: list[str], e
     return counts
 
 
+IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
 def idle_state(url: str, timeout_s: float = 60) -> dict:
-    """Wait until no request runs or waits; then the gauges and the adapters' places."""
+    """Wait until no request runs or waits and no KV block is in use; then the gauges and the adapters' places."""
     deadline = time.monotonic() + timeout_s
     while True:
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         gauges = {name: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                             if line.startswith(name + "{"))
-                  for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
+                  for name in IDLE_GAUGES}
         if not any(gauges.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -179,7 +182,9 @@ def checks(counts: Counter, idle: dict, rss_warm: dict, rss_end: dict, max_loras
     server_errors = sum(n for (kind, status), n in counts.items() if status.startswith("5"))
     bad_not_4xx = sum(n for (kind, status), n in counts.items() if kind == "bad" and not status.startswith("4"))
     return {"no_5xx": server_errors == 0, "bad_requests_got_4xx": bad_not_4xx == 0,
-            "idle_gauges_zero": not any(idle["gauges"].values()),
+            "idle_requests_zero": not (idle["gauges"]["vllm:num_requests_running"]
+                                       or idle["gauges"]["vllm:num_requests_waiting"]),
+            "idle_kv_blocks_free": idle["gauges"]["vllm:kv_cache_usage_perc"] == 0,
             "slots_settled": idle["on_gpu"] <= max_loras and idle["loading"] == 0,
             **{f"rss_{side}_within_tolerance": rss_end[side] <= rss_warm[side] * (1 + tolerance) for side in rss_warm}}
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
-#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [sweep] [slora] [serve-sync] [hf]
+#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync] [hf]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -70,7 +70,7 @@ for stage in $stages; do
     serve-moe)   # the MoE preset on Qwen3-30B-A3B's shape with 24 of its 48 layers (weights, 8 slots fit an 80 GB card)
              mkdir -p /tmp/qwen3-moe-24 && python3 -c "import json; c = json.load(open('bench/configs/qwen3-30b-a3b/config.json')); c['num_hidden_layers'] = 24; json.dump(c, open('/tmp/qwen3-moe-24/config.json', 'w'))"
              MODEL=/tmp/qwen3-moe-24 serve_preset moe-expert-adapters ;;
-    sweep)   # concurrency sweep 1-512 streams: base, one adapter, 64 distinct adapters (8B, 64 slots)
+    concurrency)   # bench.sweep: 1-512 streams: base, one adapter, 64 distinct adapters (8B, 64 slots)
              [ -d /tmp/tok-128256 ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok-128256
              python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-sweep --num 64 --rank 16 > /dev/null 2>&1
              python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \

@@ -14,20 +14,30 @@ expert (formats.materialise); per-expert modules leave the experts they skip zer
 they are. A shared-outer layer (ExpertLayerLoRA.shared_outer) keeps its gate/up A's and down B in expert 0 and
 sets the flag; any other matrix stored once for all experts (n = 1) is repeated over them. Ranks below R are
 zero-padded, projections left alone have scaling 0.
+
+`expert_layer_reads` writes the same bytes from a file that stores the slots' dtype, reading each stored run
+straight into place (SlotLayout.read_packed): A blocks [k, in] per expert are contiguous in every format and
+land on their rows (PEFT's A twice, in the gate and the up rows; a matrix stored once, once per expert); B
+blocks [out, k] land in place at k = R, else they are read aside and copied with their rows padded to R; PEFT's
+B is read aside whole and de-interleaved by a transposing copy.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from worker.batch import MoELoRAWeights
-from worker.lora.formats import ExpertLayerLoRA, materialise
+from worker.lora.formats import ExpertLayerLoRA, ExpertMatrix, materialise
 
 ALIGN = 256         # bytes; as the dense regions
+_UINT = {2: np.uint16, 4: np.uint32}     # a weight's bits by item size: numpy has no bfloat16
+Reads = list[tuple[int, memoryview]]    # (file offset, destination), as lora/file_reads.py reads them
 
 
 def aligned(n: int) -> int:
@@ -104,3 +114,98 @@ def _shifted(region: ExpertRegion) -> ExpertRegion:
     """The region with offsets counted from its own first byte."""
     return ExpertRegion({name: (off - region.offset, shape, dtype) for name, (off, shape, dtype) in region.fields.items()},
                         0, region.num_bytes)
+
+
+def expert_layer_reads(buf: np.ndarray, region: ExpertRegion, found: ExpertLayerLoRA | None,
+                       reads: Reads) -> list[Callable[[], None]]:
+    """pack_expert_layer's bytes of one layer written into `buf` (the slot's bytes, uint8) from the adapter's
+    file, which stores the slots' dtype: zeros, scalings and the shared-outer flag are written now, the
+    (file offset, destination) of every stored run that lands in place is appended to `reads`, and the
+    copies to run once those reads are done (B read aside: padded to R or de-interleaved) are returned."""
+    def field(name: str) -> np.ndarray:
+        off, shape, dtype = region.fields[name]
+        size = math.prod(shape) * dtype.itemsize
+        buf[off + size:off + aligned(size)] = 0
+        return buf[off:off + size].view(_UINT.get(dtype.itemsize, np.uint8)).reshape(shape)
+
+    gate_up_a, gate_up_b, down_a, down_b = (field(n) for n in ("gate_up_a", "gate_up_b", "down_a", "down_b"))
+    e, two_r, h = gate_up_a.shape
+    a_dst = (*gate_up_a.reshape(e, 2, two_r // 2, h).transpose(1, 0, 2, 3), down_a)    # each [E, R, in]
+    b_dst = (*gate_up_b.reshape(e, 2, -1, two_r // 2).transpose(1, 0, 2, 3), down_b)   # each [E, out, R]
+    field("scalings")[...] = np.array([0.0, 0.0, 0.0] if found is None else
+                                      [0.0 if p is None else p.scaling for p in (found.gate, found.up, found.down)],
+                                      dtype=np.float32).view(np.uint32)
+    field("shared_outer")[...] = int(found is not None and found.shared_outer)
+    finish: list[Callable[[], None]] = []
+    for s, (a, b) in enumerate(zip(a_dst, b_dst)):
+        proj = None if found is None else (found.gate, found.up, found.down)[s]
+        if proj is None:
+            a[...], b[...] = 0, 0
+            continue
+        shared = found.shared_outer
+        _read_a(proj.a, proj.rank, a, shared and s < 2, reads)
+        finish += _read_b(proj.b, proj.rank, b, shared and s == 2, reads)
+    return finish
+
+
+def _read_a(m: ExpertMatrix, k: int, dst: np.ndarray, once: bool, reads: Reads) -> None:
+    """A [n, k, in] into dst [E, R, in]: each expert's k rows read in place, rows [k, R) zero; `once`: the
+    matrix serves every expert from expert 0 (shared outer), the other experts zero."""
+    dst[:, k:] = 0
+    for expert, offset in _blocks(m, dst, once):
+        reads.append((offset, _bytes(dst[expert, :k])))
+
+
+def _read_b(m: ExpertMatrix, k: int, dst: np.ndarray, once: bool, reads: Reads) -> list[Callable[[], None]]:
+    """B [n, out, k] into dst [E, out, R]: read in place at k = R, else read aside and copied into columns
+    [0, k) (columns [k, R) zero); PEFT's [out, k*E] (column c*E + e: expert e's rank index c) read aside and
+    de-interleaved. `once` as in _read_a. Returns the copies to run after the reads."""
+    e, out, r = dst.shape
+    dst[:, :, k:] = 0
+    if m.layout == "peft_b":
+        staged = np.empty((out, k, e), dtype=dst.dtype)          # [out, k, E]
+        row_bytes = k * e * dst.itemsize
+        reads.append((m.sources[0].span[0] + m.row_offset * row_bytes, _bytes(staged)))
+
+        def deinterleave() -> None:
+            dst[:, :, :k] = staged.transpose(2, 0, 1)           # [E, out, k]
+        return [deinterleave]
+    blocks = _blocks(m, dst, once)
+    if k == r:
+        reads += [(offset, _bytes(dst[expert])) for expert, offset in blocks]
+        return []
+    offsets = sorted({offset for _, offset in blocks})
+    staged = np.empty((len(offsets), out, k), dtype=dst.dtype)      # [distinct blocks, out, k]
+    reads += [(offset, _bytes(block)) for offset, block in zip(offsets, staged)]
+    experts = [expert for expert, _ in blocks]
+    sources = [offsets.index(offset) for _, offset in blocks]
+
+    def pad() -> None:
+        if experts == sources == list(range(e)):
+            dst[:, :, :k] = staged
+        else:
+            dst[experts, :, :k] = staged[sources]
+    return [pad]
+
+
+def _blocks(m: ExpertMatrix, dst: np.ndarray, once: bool) -> list[tuple[int, int]]:
+    """(destination expert, file offset of its stored [rows, cols] block) for each expert of dst [E, ...]
+    that gets one; the others are zeroed. A matrix stored once (n = 1) serves every expert unless `once`."""
+    n, rows, cols = m.shape
+    size = rows * cols * dst.itemsize
+    if m.layout == "per_expert":
+        blocks = [(expert, t.span[0]) for expert, t in enumerate(m.sources) if t is not None]
+    else:                                   # "peft_a", "stacked": [n, rows, cols] blocks one after another
+        blocks = [(expert, m.sources[0].span[0] + min(expert, n - 1) * size)
+                  for expert in range(1 if once else dst.shape[0])]
+    missing = np.ones(dst.shape[0], dtype=bool)
+    missing[[expert for expert, _ in blocks]] = False
+    if missing.any():
+        dst[missing] = 0
+    return blocks
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    """A contiguous array's bytes as a flat writable memoryview (what os.preadv fills)."""
+    assert a.flags.c_contiguous
+    return memoryview(a.reshape(-1).view(np.uint8))

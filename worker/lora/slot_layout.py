@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from torch import nn
 from worker.batch import LoRAWeights, MoELoRAWeights
 from worker.lora.adapter import (AdapterBytes, AdapterError, AdapterSource, AdapterSpec, ModuleBytes, ModuleSource,
                                  locate_adapter, read_adapter)
-from worker.lora.expert_layout import expert_regions, expert_views, pack_expert_layer
+from worker.lora.expert_layout import expert_layer_reads, expert_regions, expert_views, pack_expert_layer
 from worker.lora.file_reads import read_in_parts
 from worker.lora.host_cache import HostAdapter
 from worker.models.hf_config import ArchConfig
@@ -103,14 +104,13 @@ class SlotLayout:
                     pool: concurrent.futures.Executor | None = None, parts: int = 1) -> torch.Tensor | None:
         """The slot bytes of `source` (adapter.locate_adapter) as `pack` builds them, with the weights read
         from the file straight into place: one scattered read (os.preadv) per file-contiguous run of
-        tensors, no staging copy. None when the file stores another dtype than the slots' (read_adapter
-        converts it, then pack), and None for an adapter with expert LoRA: its formats need a layout change
-        (B de-interleaved, matrices repeated over experts), so read_adapter + pack build its one contiguous
-        buffer instead. The reads release the GIL for their whole length, so a reader thread
-        barely holds up the step loop. `out`: a [num_bytes] uint8 buffer to fill (every byte is written).
+        tensors, no staging copy (lora_B of rank < R, and expert LoRA's, as expert_layout.expert_layer_reads
+        says, are read aside and copied into place). None when the file stores another dtype than the slots'
+        (read_adapter converts it, then pack). The reads release the GIL for their whole length, so a reader
+        thread barely holds up the step loop. `out`: a [num_bytes] uint8 buffer to fill (every byte is written).
         `pool`, `parts`: split the file reads into up to `parts` pieces read side by side on `pool`.
         """
-        if source.dtypes != {self.dtype} or source.experts:
+        if source.dtypes != {self.dtype}:
             return None
         item, R = self.dtype.itemsize, self.max_rank
         packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin) if out is None else out
@@ -121,6 +121,7 @@ class SlotLayout:
         view = memoryview(buf)
         reads: list[tuple[int, memoryview]] = []          # (file offset, destination)
         padded: list[tuple[int, ModuleSource, np.ndarray]] = []   # B rows of rank < R, read aside
+        copies: list[Callable[[], None]] = []                      # expert B's read aside, into place
         offset = 0
         for kind, value in self._parts(source.modules):
             if kind == "a":
@@ -134,9 +135,10 @@ class SlotLayout:
                     rows = np.empty(value.b[1] - value.b[0], dtype=np.uint8)
                     reads.append((value.b[0], memoryview(rows)))
                     padded.append((offset, value, rows))
-            elif kind == "experts":         # an adapter without expert LoRA: its expert regions are zero
-                size = value[1].num_bytes
-                buf[offset:offset + size] = 0
+            elif kind == "experts":
+                layer, region = value
+                size = region.num_bytes
+                copies += expert_layer_reads(buf, region, source.experts.get(layer), reads)
             elif kind == "scalings":
                 size = 4 * len(value)
                 buf[offset:offset + size] = np.array(value, dtype=np.float32).view(np.uint8)
@@ -150,6 +152,8 @@ class SlotLayout:
             b = buf[offset:offset + m.out_features * R * item].reshape(m.out_features, R * item)
             b[:, :m.rank * item] = rows.reshape(m.out_features, m.rank * item)
             b[:, m.rank * item:] = 0
+        for copy in copies:
+            copy()
         return packed
 
     def _parts(self, modules: dict) -> list[tuple[str, object]]:

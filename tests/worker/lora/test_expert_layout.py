@@ -1,14 +1,21 @@
 """The expert regions of a slot (lora/expert_layout.py): each format packed into the slot equals the MoE-LoRA
-reference's own packing (tests/moe_fixtures.reference_slots), the views are strided views of the slots, and an
-adapter without expert LoRA leaves the regions zero whichever way it is read."""
+reference's own packing (tests/moe_fixtures.reference_slots), read straight into place it gives the same bytes
+as read + pack, the views are strided views of the slots, and an adapter without expert LoRA leaves the regions
+zero whichever way it is read."""
 from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.hf_fixtures import adapter_dir
-from tests.moe_fixtures import (EXPERT_ADAPTERS, SHAPE, HandExpertAdapter, build_expert_adapters, reference_slots,
-                                save_hand_expert_adapter)
+from tests.moe_fixtures import (EXPERT_ADAPTERS, SHAPE, HandExpertAdapter, PeftExpertAdapter, build_expert_adapters,
+                                reference_slots, save_hand_expert_adapter, save_peft_expert_adapter)
 from worker.config import KernelConfig
 from worker.lora.adapter import inspect_adapter, locate_adapter, read_adapter
 from worker.lora.expert_layout import ALIGN
@@ -22,6 +29,9 @@ MAX_RANK = 8
 HAND = (HandExpertAdapter("per-expert", "per_expert", (3, 5, 2), experts=(1, 3)),
         HandExpertAdapter("stacked", "stacked", (4, 2, 6)),
         HandExpertAdapter("shared-outer", "stacked", (6, 6, 4), shared_outer=True))
+FULL_RANK = (HandExpertAdapter("per-expert-full", "per_expert", (MAX_RANK,) * 3, experts=(0, 2)),
+             HandExpertAdapter("stacked-full", "stacked", (MAX_RANK, 5, MAX_RANK)),
+             HandExpertAdapter("shared-outer-full", "stacked", (MAX_RANK,) * 3, shared_outer=True))
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +100,81 @@ def test_expert_views_are_aligned_strided_views_of_the_slots(moe_model):
     assert first >= max(r.scalings_offset for r in layout.regions.values())    # after the dense regions
 
 
-def test_expert_adapters_take_the_converting_read(moe_model, adapters):
-    """read_packed leaves adapters with expert LoRA to read_adapter + pack (one contiguous buffer)."""
+@pytest.fixture(scope="module")
+def read_cases(moe_model, adapters, tmp_path_factory) -> dict[str, Path]:
+    """name -> directory of adapters covering the read paths: every format below and at R = MAX_RANK,
+    shared-outer, per-expert with experts left out, stacked matrices stored once for all experts."""
+    model_dir, _ = moe_model
+    root = tmp_path_factory.mktemp("expert-reads")
+    paths = dict(adapters)
+    save_peft_expert_adapter(model_dir, PeftExpertAdapter("peft-r8", MAX_RANK, alpha=16, modules=("q_proj",)),
+                             root / "peft-r8", seed=7)
+    paths["peft-r8"] = root / "peft-r8"
+    for i, spec in enumerate(FULL_RANK):
+        paths[spec.name] = root / spec.name
+        save_hand_expert_adapter(spec, [0, 1], SHAPE, mixtral_names=i == 0, out=paths[spec.name], seed=10 + i)
+    paths["stacked-repeated"] = _save_repeated_stacked(root / "stacked-repeated")
+    return paths
+
+
+def _save_repeated_stacked(out: Path) -> Path:
+    """A stacked adapter (layer 1 only) whose gate A, up B and down A are stored once for all experts (n = 1)
+    while the other matrices are per expert, so it is not shared-outer: each single matrix is repeated."""
+    gen = torch.Generator().manual_seed(3)
+    e, h, i = SHAPE.num_experts, SHAPE.hidden_size, SHAPE.intermediate_size
+    prefix = "base_model.model.model.layers.1.mlp.experts."
+    shapes = {"gate_proj": ((1, 3, h), (e, i, 3)), "up_proj": ((e, MAX_RANK, h), (1, i, MAX_RANK)),
+              "down_proj": ((1, 5, i), (e, h, 5))}
+    tensors = {f"{prefix}{name}.lora_{ab}.weight": torch.randn(*shape, generator=gen)
+               for name, pair in shapes.items() for ab, shape in zip("AB", pair)}
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": MAX_RANK, "lora_alpha": 16,
+                                                         "target_modules": list(shapes)}))
+    return out
+
+
+def _stored_as(path: Path, dtype: torch.dtype, out: Path) -> Path:
+    """A copy of the adapter directory with its tensors stored in `dtype`."""
+    if not out.exists():
+        shutil.copytree(path, out)
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        save_file({k: t.to(dtype) for k, t in tensors.items()}, str(out / "adapter_model.safetensors"))
+    return out
+
+
+READ_CASES = ("r2", "r4-pattern", "r3-rs", "peft-r8", "per-expert", "per-expert-full", "stacked", "stacked-full",
+              "shared-outer", "shared-outer-full", "stacked-repeated")
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", READ_CASES)
+def test_expert_adapters_read_into_place_give_the_bytes_pack_gives(moe_model, read_cases, tmp_path_factory,
+                                                                   name, dtype, parts):
+    """read_packed on a file storing the slots' dtype writes every byte of the buffer (stale bytes before)
+    exactly as read_adapter + pack, whatever the format, rank, sharing and experts left out."""
     model_dir, model = moe_model
-    layout, arch = SlotLayout(model, MAX_RANK, torch.float32), ArchConfig.from_dir(model_dir)
+    layout, arch = SlotLayout(model, MAX_RANK, dtype), ArchConfig.from_dir(model_dir)
+    path = read_cases[name]
+    if dtype != torch.float32:
+        path = _stored_as(path, dtype, tmp_path_factory.getbasetemp() / f"{name}-{dtype}")
+    stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
+    with concurrent.futures.ThreadPoolExecutor(parts) as pool:
+        got = layout.read_packed(locate_adapter("a", path, arch, MAX_RANK), pin=False, out=stale, pool=pool,
+                                 parts=parts)
+    assert got is stale
+    want = layout.pack(read_adapter("a", path, arch, MAX_RANK, dtype), pin=False)
+    for layer, region in layout.expert_regions.items():
+        span = slice(region.offset, region.offset + region.num_bytes)
+        assert torch.equal(got[span], want[span]), layer
+    assert torch.equal(got, want)
+
+
+def test_expert_adapters_stored_in_another_dtype_take_the_converting_read(moe_model, adapters):
+    """A float32 file under bfloat16 slots: read_packed leaves it to read_adapter + pack (one contiguous buffer)."""
+    model_dir, model = moe_model
+    layout, arch = SlotLayout(model, MAX_RANK, torch.bfloat16), ArchConfig.from_dir(model_dir)
     assert layout.read_packed(locate_adapter("a", adapters["stacked"], arch, MAX_RANK), pin=False) is None
     packed = _pack(adapters["stacked"], model_dir, layout)
     assert packed.is_contiguous() and packed.shape == (layout.num_bytes,)
