@@ -19,7 +19,8 @@ zero-padded, projections left alone have scaling 0.
 straight into place (SlotLayout.read_packed): A blocks [k, in] per expert are contiguous in every format and
 land on their rows (PEFT's A twice, in the gate and the up rows; a matrix stored once, once per expert); B
 blocks [out, k] land in place at k = R, else they are read aside and copied with their rows padded to R; PEFT's
-B is read aside whole and de-interleaved by a transposing copy.
+B (the projection's rows of it) is read aside and de-interleaved by one transposing copy. Only a file in another
+dtype than the slots' takes the converting path (read_adapter + pack).
 """
 from __future__ import annotations
 
@@ -163,6 +164,8 @@ def _read_b(m: ExpertMatrix, k: int, dst: np.ndarray, once: bool, reads: Reads) 
     e, out, r = dst.shape
     dst[:, :, k:] = 0
     if m.layout == "peft_b":
+        # stored row o of [out, k*E], E = 2, k = 2: [b0[o,0], b1[o,0], b0[o,1], b1[o,1]] (b_e: expert e's B), read
+        # as [out, k, E] and copied transposed to [E, out, k]: dst[e, o, c] = staged[o, c, e]
         staged = np.empty((out, k, e), dtype=dst.dtype)          # [out, k, E]
         row_bytes = k * e * dst.itemsize
         reads.append((m.sources[0].span[0] + m.row_offset * row_bytes, _bytes(staged)))
@@ -177,8 +180,8 @@ def _read_b(m: ExpertMatrix, k: int, dst: np.ndarray, once: bool, reads: Reads) 
     offsets = sorted({offset for _, offset in blocks})
     staged = np.empty((len(offsets), out, k), dtype=dst.dtype)      # [distinct blocks, out, k]
     reads += [(offset, _bytes(block)) for offset, block in zip(offsets, staged)]
-    experts = [expert for expert, _ in blocks]
-    sources = [offsets.index(offset) for _, offset in blocks]
+    index = {offset: j for j, offset in enumerate(offsets)}
+    experts, sources = [expert for expert, _ in blocks], [index[offset] for _, offset in blocks]
 
     def pad() -> None:
         if experts == sources == list(range(e)):
@@ -206,6 +209,5 @@ def _blocks(m: ExpertMatrix, dst: np.ndarray, once: bool) -> list[tuple[int, int
 
 
 def _bytes(a: np.ndarray) -> memoryview:
-    """A contiguous array's bytes as a flat writable memoryview (what os.preadv fills)."""
-    assert a.flags.c_contiguous
-    return memoryview(a.reshape(-1).view(np.uint8))
+    """A C-contiguous array's bytes as a flat writable memoryview (what os.preadv fills)."""
+    return memoryview(a).cast("B")

@@ -152,8 +152,7 @@ class SlotLayout:
             b = buf[offset:offset + m.out_features * R * item].reshape(m.out_features, R * item)
             b[:, :m.rank * item] = rows.reshape(m.out_features, m.rank * item)
             b[:, m.rank * item:] = 0
-        for copy in copies:
-            copy()
+        _run_all(copies, pool if parts > 1 else None)
         return packed
 
     def _parts(self, modules: dict) -> list[tuple[str, object]]:
@@ -194,6 +193,19 @@ class SlotLayout:
                    for kind, part in parts]
         packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin)
         return torch.cat(tensors, out=packed)
+
+
+def _run_all(calls: list[Callable[[], None]], pool: concurrent.futures.Executor | None) -> None:
+    """Run each call, side by side on `pool` when there is one (numpy's large copies release the GIL);
+    returns once all have ended, raising the first failure then."""
+    if pool is None or len(calls) < 2:
+        for call in calls:
+            call()
+        return
+    futures = [pool.submit(call) for call in calls]
+    concurrent.futures.wait(futures)        # none may still write into the buffer after this
+    for future in futures:
+        future.result()
 
 
 class PackedReader:
