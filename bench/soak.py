@@ -12,7 +12,9 @@ and checks what a long-running server must keep true:
 - no answer was a 5xx, and every bad request got a 4xx;
 - running and waiting requests are back to 0, KV-cache usage (`vllm:kv_cache_usage_perc`) is back to 0 (no
   leaked blocks), and the GPU adapter slots hold no more adapters than `--max-loras` with none still loading;
-- the gateway's and the worker's RSS are within `--rss-tolerance` of their values after the warm-up.
+- the gateway's and the worker's private RSS (RSS less shared memory) are within `--rss-tolerance` of their
+  values after the warm-up, and the gateway's shared memory (the two rings, whose pages count as they are
+  first written, so it grows until each ring has gone round once) is at most the rings' size.
 
 The JSON holds the counts per kind and status, the RSS samples and each check's result; the exit
 status is 1 when a check failed.
@@ -36,6 +38,11 @@ from pathlib import Path
 import httpx
 import psutil
 
+from gateway.worker_client import RING_BYTES
+from worker.ipc.shm_ring import HEADER_BYTES
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+RINGS_MB = 2 * -(-(HEADER_BYTES + RING_BYTES) // PAGE) * PAGE / 2**20   # the gateway's two rings, in whole pages
 EXTRA_ADAPTERS = 4          # runtime-loaded copies of a demo adapter, churned by the clients
 BAD_BODIES = [               # (content type, body): each must get a 4xx
     ("application/json", b"{"),
@@ -76,11 +83,19 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180) ->
 
 
 def rss_mb(process: subprocess.Popen) -> dict[str, float]:
-    """Resident memory of the gateway and of its worker (its child processes, summed)."""
-    gateway = psutil.Process(process.pid)
-    workers = gateway.children(recursive=True)
-    return {"gateway": gateway.memory_info().rss / 2**20,
-            "worker": sum(p.memory_info().rss for p in workers) / 2**20}
+    """Resident memory of the gateway and of its worker (its child processes, summed): private (RSS less
+    shared memory) as `gateway` and `worker`, shared memory as `gateway_shared` and `worker_shared`."""
+    private, shared = _private_and_shared_kb(process.pid)
+    workers = [_private_and_shared_kb(p.pid) for p in psutil.Process(process.pid).children(recursive=True)]
+    return {"gateway": private / 1024, "worker": sum(p for p, _ in workers) / 1024,
+            "gateway_shared": shared / 1024, "worker_shared": sum(s for _, s in workers) / 1024}
+
+
+def _private_and_shared_kb(pid: int) -> tuple[int, int]:
+    """(RSS less shared memory, shared memory) of one process, in kB, from /proc/<pid>/status (Linux)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    rss, shared = (int(fields[key].split()[0]) for key in ("VmRSS", "RssShmem"))
+    return rss - shared, shared
 
 
 def sample_rss(process: subprocess.Popen, samples: list, seconds: float, every_s: float = 30.0) -> None:
@@ -186,7 +201,9 @@ def checks(counts: Counter, idle: dict, rss_warm: dict, rss_end: dict, max_loras
                                        or idle["gauges"]["vllm:num_requests_waiting"]),
             "idle_kv_blocks_free": idle["gauges"]["vllm:kv_cache_usage_perc"] == 0,
             "slots_settled": idle["on_gpu"] <= max_loras and idle["loading"] == 0,
-            **{f"rss_{side}_within_tolerance": rss_end[side] <= rss_warm[side] * (1 + tolerance) for side in rss_warm}}
+            **{f"rss_{side}_within_tolerance": rss_end[side] <= rss_warm[side] * (1 + tolerance)
+               for side in ("gateway", "worker")},
+            "gateway_shared_within_rings": rss_end["gateway_shared"] <= RINGS_MB}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 DEAD_WORKER_STATUS = 503
 SHUTTING_DOWN = "The server is shutting down."
 SHUTTING_DOWN_STATUS = 503
+# Data bytes of each ring. Each process's RSS counts a ring's pages as the counters first sweep over them, so
+# it grows with the bytes passed until each ring has gone round once (2 x RING_BYTES at most), then stays.
+RING_BYTES = 1 << 24
 
 
 class WorkerStartupError(RuntimeError):
@@ -42,7 +45,7 @@ class WorkerClient:
     """The gateway's handle on its one worker process."""
 
     def __init__(self, config: WorkerConfig, *, engine_factory: str = "worker.engine:Engine",
-                 ring_bytes: int = 1 << 24):
+                 ring_bytes: int = RING_BYTES):
         self._config = config
         self._engine_factory = engine_factory
         self._ring_bytes = ring_bytes

@@ -128,6 +128,40 @@ async def test_cancelled_generate_aborts_the_request(client):
     await wait_until(lambda: client.stats.num_running == 0)
 
 
+def ring_resident_kb() -> int:
+    """Resident kB of this process's mappings of its own rings (/dev/shm/lpx_<pid>_...)."""
+    resident, in_ring = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if not line[0].isupper():                       # a mapping's header line: address range, ..., path
+            in_ring = f"/dev/shm/lpx_{os.getpid()}_" in line
+        elif in_ring and line.startswith("Rss:"):
+            resident += int(line.split()[1])
+    return resident
+
+
+async def test_requests_leave_no_state_and_ring_memory_stops_at_the_rings_size():
+    """Finished, closed and refused requests and adapter commands leave nothing behind, and the rings'
+    resident pages, which grow as the counters first sweep over them, stop at the rings' size."""
+    ring_bytes = 1 << 15
+    client = WorkerClient(CONFIG, engine_factory=FAKE, ring_bytes=ring_bytes)
+    await client.start()
+    sizes = []
+    for i in range(80):                               # both rings have gone round by about the 30th
+        await collect(client, add_request(f"whole-{i}", [i, 7], max_tokens=8))
+        await collect(client, add_request(f"refused-{i}", [i], max_tokens=8, lora_name=f"ghost-{i}"))
+        cut = client.generate(add_request(f"cut-{i}", [i], max_tokens=10**9))
+        await anext(cut)
+        await cut.aclose()
+        await client.adapter_command("load", f"adapter-{i}", f"/adapters/{i}")
+        await client.adapter_command("unload", f"adapter-{i}")
+        sizes.append(ring_resident_kb())
+    assert (client._queues, client._commands, len(client._backlog)) == ({}, {}, 0)
+    await client.shutdown()
+    page_kb = os.sysconf("SC_PAGE_SIZE") // 1024
+    ring_kb = -(-(ring_bytes // 1024 + 1) // page_kb) * page_kb     # data and header, in whole pages
+    assert sizes[0] < 2 * ring_kb and sizes[-40:] == [2 * ring_kb] * 40
+
+
 async def test_engine_rejection_ends_the_request_with_its_error(client):
     outputs = await collect(client, add_request("bad", [], max_tokens=4))
     assert outputs == [RequestOutput("bad", [], finish_reason="error", error="The prompt is empty.", status_code=400)]

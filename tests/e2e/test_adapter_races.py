@@ -1,0 +1,122 @@
+"""Runtime adapter changes racing requests on the real server (issue 21's racing adapter changes).
+
+`load_inplace`: requests already in flight on the old version finish on its weights, requests sent after the
+load answered get the new version's, and requests sent while it runs get one or the other; none fails.
+Unload: a stream that already started finishes (or ends with a 404 error event, then [DONE]); a request
+sent while the unload runs is answered or not found; one sent after it is not found. Never a 5xx.
+Every answer's tokens are checked against the offline engine running the same adapter alone.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+STREAM_TOKENS = 48              # still streaming when the adapter changes (the CPU demo: ~100 tokens/s)
+WHOLE_TOKENS = 8
+PROMPTS = ["The weather", "In the garden", "A public library"]
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+
+
+def body(model: str, prompt: str, max_tokens: int, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+
+
+def alone(reference, prompt: str, adapter: str, max_tokens: int) -> list[int]:
+    """The greedy tokens of `prompt` on `adapter`, run alone on the offline engine."""
+    return reference.tokens(reference.encode(prompt), adapter, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def stream(http: httpx.AsyncClient, request: dict, started: asyncio.Event) -> tuple[int, list[int], list]:
+    """(status, the token ids streamed, the events: JSON objects or "[DONE]"); `started` set at the first chunk."""
+    ids, events = [], []
+    async with http.stream("POST", "/v1/completions", json={**request, "stream": True}) as response:
+        if response.status_code != 200:                     # refused before the stream began: a JSON error
+            return response.status_code, ids, [json.loads(await response.aread())]
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            event = data if data == "[DONE]" else json.loads(data)
+            events.append(event)
+            if isinstance(event, dict) and "choices" in event:
+                ids += event["choices"][0]["token_ids"]
+                started.set()
+        return response.status_code, ids, events
+
+
+async def whole(http: httpx.AsyncClient, request: dict) -> tuple[int, list[int] | None]:
+    response = await http.post("/v1/completions", json=request)
+    answer = response.json()
+    return response.status_code, answer["choices"][0]["token_ids"] if response.status_code == 200 else None
+
+
+async def start_streams(http: httpx.AsyncClient, model: str) -> list[asyncio.Task]:
+    """One greedy stream per prompt on `model`, returned once each has its first chunk."""
+    started = [asyncio.Event() for _ in PROMPTS]
+    tasks = [asyncio.create_task(stream(http, body(model, prompt, STREAM_TOKENS), event))
+             for prompt, event in zip(PROMPTS, started)]
+    for event in started:
+        await asyncio.wait_for(event.wait(), 60)
+    return tasks
+
+
+async def test_load_inplace_keeps_requests_in_flight_on_the_old_version_and_new_ones_on_the_new(server, reference):
+    name, old, new = "race-inplace", "demo-r4-attn", "demo-r8-all"
+    expected = [alone(reference, p, old, STREAM_TOKENS) for p in PROMPTS]
+    short = {version: [alone(reference, p, version, WHOLE_TOKENS) for p in PROMPTS] for version in (old, new)}
+    async with server.http() as http:
+        loaded = await http.post(LOAD, json={"lora_name": name, "lora_path": str(server.demo.adapters[old])})
+        assert loaded.status_code == 200, loaded.text
+        try:
+            streams = await start_streams(http, name)
+            racing = [asyncio.create_task(whole(http, body(name, p, WHOLE_TOKENS))) for p in PROMPTS]
+            replaced = await http.post(LOAD, json={"lora_name": name, "lora_path": str(server.demo.adapters[new]),
+                                                   "load_inplace": True})
+            still_streaming = not any(task.done() for task in streams)
+            after = await asyncio.gather(*(whole(http, body(name, p, WHOLE_TOKENS)) for p in PROMPTS))
+            during = await asyncio.gather(*racing)
+            in_flight = await asyncio.gather(*streams)
+        finally:
+            await http.post(UNLOAD, json={"lora_name": name})
+    assert replaced.status_code == 200, replaced.text
+    assert still_streaming, "a stream ended before the load: the test raced nothing"
+    assert [(status, ids) for status, ids, _ in in_flight] == [(200, ids) for ids in expected]
+    assert all(events[-1] == "[DONE]" for _, _, events in in_flight)
+    assert after == [(200, ids) for ids in short[new]]
+    for (status, ids), old_ids, new_ids in zip(during, short[old], short[new]):
+        assert status == 200 and ids in (old_ids, new_ids)
+
+
+async def test_unload_racing_requests_finishes_started_streams_and_answers_the_rest_404(server, reference):
+    name, source = "race-unload", "demo-r16-mlp"
+    expected = [alone(reference, p, source, STREAM_TOKENS) for p in PROMPTS]
+    short = [alone(reference, p, source, WHOLE_TOKENS) for p in PROMPTS]
+    not_found = {"message": f"The model `{name}` does not exist.", "type": "NotFoundError", "param": "model",
+                 "code": 404}
+    async with server.http() as http:
+        loaded = await http.post(LOAD, json={"lora_name": name, "lora_path": str(server.demo.adapters[source])})
+        assert loaded.status_code == 200, loaded.text
+        streams = await start_streams(http, name)
+        racing_wholes = [asyncio.create_task(whole(http, body(name, p, WHOLE_TOKENS))) for p in PROMPTS]
+        racing_streams = [asyncio.create_task(stream(http, body(name, p, WHOLE_TOKENS), asyncio.Event()))
+                          for p in PROMPTS]
+        unloaded = await http.post(UNLOAD, json={"lora_name": name})
+        still_streaming = not any(task.done() for task in streams)
+        after = await http.post("/v1/completions", json=body(name, PROMPTS[0], WHOLE_TOKENS))
+        in_flight = await asyncio.gather(*streams)
+        during_wholes = await asyncio.gather(*racing_wholes)
+        during_streams = await asyncio.gather(*racing_streams)
+    assert unloaded.status_code == 200, unloaded.text
+    assert still_streaming, "a stream ended before the unload: the test raced nothing"
+    assert (after.status_code, after.json()["error"]) == (404, not_found)
+    for (status, ids, events), full in zip(in_flight, expected):
+        assert status == 200 and events[-1] == "[DONE]"
+        assert ids == full or (events[-2] == {"error": not_found} and full[:len(ids)] == ids)
+    for (status, ids), full in zip(during_wholes, short):
+        assert (status, ids) in ((200, full), (404, None))
+    for (status, ids, events), full in zip(during_streams, short):
+        assert (status, ids, events[-1]) == (200, full, "[DONE]") or events == [{"error": not_found}] or \
+            (status, ids, events[-2:]) == (200, [], [{"error": not_found}, "[DONE]"])
