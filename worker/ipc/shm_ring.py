@@ -31,6 +31,7 @@ process exits its pipe ends close, the waiting side reads end-of-file and `peer_
 """
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import struct
@@ -69,6 +70,9 @@ class ShmRing:
         self._header = shm.buf[:HEADER_BYTES].cast("Q")   # [16] u64 words
         self.capacity = self._header[_CAPACITY]
         self._data = shm.buf[HEADER_BYTES:HEADER_BYTES + self.capacity]
+        # map every page now, so the process's RSS holds the whole ring from the start instead of growing by
+        # the bytes passed until the counters have gone round once (what a soak would read as a leak)
+        shm.buf[::mmap.PAGESIZE].tobytes()
         self.role = role
         self._wait_conn, self._signal_conn = wait_conn, signal_conn
         self._position = self._header[_TAIL if role == "producer" else _HEAD]   # our own counter
@@ -87,6 +91,7 @@ class ShmRing:
         header = shm.buf[:HEADER_BYTES].cast("Q")
         header[_CAPACITY] = capacity
         header.release()
+        shm.buf[mmap.PAGESIZE::mmap.PAGESIZE] = bytes(len(range(mmap.PAGESIZE, shm.size, mmap.PAGESIZE)))  # pages
         data_r, data_w = Pipe(duplex=False)      # producer -> consumer: frames were published
         space_r, space_w = Pipe(duplex=False)    # consumer -> producer: space was freed
         for conn in (data_r, data_w, space_r, space_w):
