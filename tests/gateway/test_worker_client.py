@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,6 @@ import pytest
 from gateway.worker_client import SHUTTING_DOWN, WorkerClient, WorkerStartupError
 from tests.gateway import fake_engine
 from worker.config import ModelConfig, SchedulerConfig, WorkerConfig
-from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
-
 from worker.ipc.messages import AddRequest, Ready, RequestOutput, SamplingParams
 
 FAKE = f"{fake_engine.__name__}:FakeEngine"
