@@ -192,11 +192,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, delta_ptr, stride_xt, stride_ot, stride
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None, programmatic_launch: bool = True) -> torch.Tensor:
-    """x: [T, 2I] (gate | up) -> [T, I]; delta: [T, 2I] float32 (module docstring)."""
+def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None, programmatic_launch: bool = True,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, 2I] (gate | up) -> [T, I]; delta: [T, 2I] float32 (module docstring); out: a [T, I] buffer to
+    write into (the MoE workspace's), else a new tensor."""
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     assert delta is None or (delta.shape == x.shape and delta.dtype == torch.float32 and delta.stride(1) == 1)
-    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_tokens, inter) and out.dtype == x.dtype and out.stride(1) == 1
     if num_tokens:
         block = min(1024, triton.next_power_of_2(inter))
         d = delta if delta is not None else x

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels import moe_align
+from worker.kernels.fused import silu_and_mul
 
 SMALL_BATCH_MAX_TOKENS = 2      # T up to this runs the per-row GEMV kernels (no sort, no tensor cores)
 _BLOCK_M_SMALL, _BLOCK_M_LARGE = 16, 64
@@ -147,19 +148,6 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, sorted_ptr, block_expert_ptr, total_ptr, 
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, out_ptr, inter, stride_h, stride_o, BLOCK: tl.constexpr):
-    """Semantics, row r:   out[r] = round(round(silu(h[r, :I])) * h[r, I:])"""
-    r = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < inter
-    g = tl.load(h_ptr + r * stride_h + offs, mask=mask, other=0.0)
-    u = tl.load(h_ptr + r * stride_h + inter + offs, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(out_ptr + r * stride_o + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
-
-
-@triton.jit
 def _weighted_sum_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o, TOP_K: tl.constexpr,
                          FLOAT32_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
     """Semantics, token t:
@@ -238,9 +226,7 @@ def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool, fl
     if lora is not None:
         from worker.kernels.moe_lora import add_gate_up_lora
         add_gate_up_lora(h, x, topk_ids, lora)
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](h, act, inter, h.stride(0), act.stride(0), BLOCK=block,
-                                                         num_warps=4)
+    silu_and_mul(h, programmatic_launch=False, out=act)
     _expert_matmul(act, down, y, rows, 1, ws, grouping)
     if lora is not None:
         from worker.kernels.moe_lora import add_down_lora
