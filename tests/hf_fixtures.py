@@ -136,3 +136,21 @@ def capture_sampled_logits(engine, on_batch=None) -> dict[str, list[torch.Tensor
 
     engine.runner.execute = capture
     return logits
+
+
+def run_greedy(engine, prompts: list[list[int]], adapters: list[str | None], max_tokens: int,
+               on_batch=None) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Greedy requests r0, r1, ... (prompt i on adapter i, ignore_eos) through `engine` to the end: the tokens
+    and the sampled logits rows per request id (capture_sampled_logits; `on_batch` sees each batch)."""
+    from collections import defaultdict
+
+    from worker.ipc.messages import SamplingParams
+    logits = capture_sampled_logits(engine, on_batch)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        engine.add_request(f"r{i}", prompt, params, adapter)
+    tokens: dict[str, list[int]] = defaultdict(list)
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return tokens, logits

@@ -1,15 +1,13 @@
 """Every row of a mixed multi-LoRA batch matches Hugging Face transformers + PEFT run alone (fp32)."""
 from __future__ import annotations
 
-from collections import defaultdict
 
 import pytest
 import torch
 
-from tests.hf_fixtures import ADAPTERS, adapter_dir, capture_sampled_logits
+from tests.hf_fixtures import ADAPTERS, adapter_dir, run_greedy
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
-from worker.ipc.messages import SamplingParams
 
 NUM_DECODE = 16
 # (prompt length, adapter name or None); base-only rows sit between adapter rows
@@ -58,14 +56,7 @@ def run_engine(model_dir, prompts, **sched) -> tuple[Engine, dict, dict]:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
     def count_preemptions(batch):
         engine.preemptions_seen = getattr(engine, "preemptions_seen", 0) + len(batch.preempted)
-    logits = capture_sampled_logits(engine, count_preemptions)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_DECODE + 1, ignore_eos=True)
-    for i, (prompt, (_, adapter)) in enumerate(zip(prompts, ROWS)):
-        engine.add_request(f"r{i}", prompt, params, adapter)
-    tokens: dict[str, list[int]] = defaultdict(list)
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
+    tokens, logits = run_greedy(engine, prompts, [a for _, a in ROWS], NUM_DECODE + 1, count_preemptions)
     return engine, tokens, logits
 
 

@@ -6,12 +6,11 @@ rows, with chunked prefill and after preemption. A batch without adapters is bit
 and off."""
 from __future__ import annotations
 
-from collections import defaultdict
 
 import pytest
 import torch
 
-from tests.hf_fixtures import capture_sampled_logits
+from tests.hf_fixtures import capture_sampled_logits, run_greedy
 from tests.moe_fixtures import (HandExpertAdapter, PeftExpertAdapter, merged_hf_model, save_hand_expert_adapter,
                                 save_peft_expert_adapter)
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
@@ -113,14 +112,7 @@ def run_engine(fixture: dict, prompts, **options) -> tuple[Engine, dict, dict]:
 
     def count_preemptions(batch):
         engine.preemptions_seen += len(batch.preempted)
-    logits = capture_sampled_logits(engine, count_preemptions)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_DECODE + 1, ignore_eos=True)
-    for i, (prompt, (_, adapter)) in enumerate(zip(prompts, ROWS)):
-        engine.add_request(f"r{i}", prompt, params, adapter)
-    tokens: dict[str, list[int]] = defaultdict(list)
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
+    tokens, logits = run_greedy(engine, prompts, [a for _, a in ROWS], NUM_DECODE + 1, count_preemptions)
     return engine, tokens, {key: torch.stack(rows) for key, rows in logits.items()}
 
 

@@ -4,7 +4,6 @@ base cannot serve is refused by name (expert LoRA: test_moe_lora_vs_hf.py)."""
 from __future__ import annotations
 
 import shutil
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.hf_fixtures import MOE_ADAPTERS, adapter_dir, capture_sampled_logits
+from tests.hf_fixtures import MOE_ADAPTERS, adapter_dir, run_greedy
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
-from worker.ipc.messages import SamplingParams
 from worker.lora.adapter import AdapterError, inspect_adapter
 from worker.models.hf_config import ArchConfig
 
@@ -64,14 +62,7 @@ def run_engine(model_dir: Path, prompts, load_format: str = "auto", adapters: bo
     if adapters:
         for spec in MOE_ADAPTERS:
             engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
-    logits = capture_sampled_logits(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_DECODE + 1, ignore_eos=True)
-    for i, (prompt, (_, adapter)) in enumerate(zip(prompts, ROWS)):
-        engine.add_request(f"r{i}", prompt, params, adapter if adapters else None)
-    tokens: dict[str, list[int]] = defaultdict(list)
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
+    tokens, logits = run_greedy(engine, prompts, [a if adapters else None for _, a in ROWS], NUM_DECODE + 1)
     return tokens, {key: torch.stack(rows) for key, rows in logits.items()}
 
 
