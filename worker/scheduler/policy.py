@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+from worker.batch import ScheduledSeq
 from worker.request import AdapterRef, Request
 
 
@@ -17,6 +18,12 @@ def waiting_key(request: Request) -> tuple[bool, int]:
 def running_key(request: Request) -> int:
     """Running order, oldest first: the order in which running requests get the step's budget."""
     return request.arrival_seq
+
+
+def row_key(seq: ScheduledSeq) -> int:
+    """Row order within a step: rows grouped by GPU slot (base rows first, stable otherwise), so each
+    adapter's rows form one LoRA segment and its weights are read once per row tile, not once per row."""
+    return seq.lora_slot
 
 
 def preemption_victim(running: list[Request]) -> Request:

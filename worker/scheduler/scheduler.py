@@ -111,6 +111,7 @@ class Scheduler:
             starved = prefetch.starved
         if not batch.preempted:   # memory is short: readmitting now would only churn
             self._admit_waiting(batch, budget, starved)
+        batch.seqs.sort(key=policy.row_key)
         return batch
 
     def launched(self, batch: ScheduledBatch) -> list[Request]:

@@ -341,7 +341,7 @@ def test_failed_adapter_ends_its_requests_and_leaves_the_others_in_the_batch():
     for request in (other, waiting):        # max_num_seqs 2: the second one waits
         scheduler.add_request(request)
     batch = scheduler.schedule()
-    assert [s.request for s in batch.seqs] == [running, other] and scheduler.waiting == [waiting]
+    assert [s.request for s in batch.seqs] == [other, running] and scheduler.waiting == [waiting]   # base rows first
     assert scheduler.fail_adapter(HOT, batch) == [running, waiting]
     assert [s.request for s in batch.seqs] == [other]
     assert all(r.status is RequestStatus.FINISHED and r.finish_reason == "error" for r in (running, waiting))
@@ -474,3 +474,23 @@ def test_duplicate_request_id_rejected():
 def test_slot_table_must_match_max_loras():
     with pytest.raises(ValueError, match="max_loras"):
         Scheduler(SchedulerConfig(), LoRAConfig(max_loras=4), BlockAllocator(4, 4), SlotTable(2))
+
+
+def test_rows_are_grouped_by_slot_so_each_adapter_is_one_lora_segment():
+    """Running requests and admissions of three adapters and the base, interleaved in arrival order, come out
+    of schedule() grouped by slot (base first), arrival order kept within a slot."""
+    scheduler = make_scheduler(max_loras=3, max_num_seqs=8)
+    adapters = [HOT, None, COLD, HOT, None, COLD]
+    requests = [make_request(i, 3, 4, a) for i, a in enumerate(adapters)]
+    for r in requests[:3]:
+        scheduler.add_request(r)
+    run_step(scheduler, scheduler.schedule(), [1, 1, 1])
+    for r in requests[3:]:
+        scheduler.add_request(r)
+    batch = scheduler.schedule()
+    slots = [s.lora_slot for s in batch.seqs]
+    assert slots == sorted(slots) and slots[0] == -1 and len(set(slots)) == 3
+    by_slot = {}
+    for s in batch.seqs:
+        by_slot.setdefault(s.lora_slot, []).append(s.request.arrival_seq)
+    assert all(v == sorted(v) for v in by_slot.values()) and sum(map(len, by_slot.values())) == 6
