@@ -79,7 +79,7 @@ for stage in $stages; do
              pid=$!
              for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
              timeout 1200 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --num-loras 64 \
-               --out "$OUT/sweep.json" >> "$OUT/sweep.log" 2>&1
+               --out "$OUT/sweep.json" ${SWEEP_ARGS:-} >> "$OUT/sweep.log" 2>&1
              rc=$?; kill $pid; wait $pid; (exit $rc) ;;
     slora)   failed=0
              for preset in slora-8 slora-100 slora-1000; do SERVE_TIMEOUT=420 serve_preset $preset || failed=1; done

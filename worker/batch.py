@@ -72,6 +72,10 @@ class LoRABatchInfo:
     # only, whose host cost is paid once at capture. Eager steps are bound by the host's launches, and the
     # fork and join would add to them while saving device time nobody waits for.
     overlap: bool = False
+    # [2 * tiles] int32 on the device, set for a decode graph whose rows are grouped by adapter (the input
+    # builder's grouped mode): (segment, first row) of each TILE_ROWS-row tile, (-1, 0) past the last
+    # (kernels/tile_map.py); the LoRA kernels then read it instead of searching seg_indptr, and split K
+    tile_map: "torch.Tensor | None" = None
     # host copies for the reference path, which loops over segments on the CPU
     seg_indptr_host: list[int] = field(default_factory=list)
     weight_indices_host: list[int] = field(default_factory=list)

@@ -74,8 +74,12 @@ class KernelConfig:
                                       # ends (kernels/pdl.py)
     lora_side_stream: bool = True     # each LoRA shrink (in decode graphs the expand too) runs on a second stream
                                       # beside its base GEMM (False: in line)
+    grouped_lora_min_rows: int = 32   # decode graphs of at least this many sequences also capture LoRA over rows
+                                      # grouped by adapter (cuda_graph.py), replayed when rows share adapters (0: never)
 
     def __post_init__(self):
+        if self.grouped_lora_min_rows < 0:
+            raise ValueError(f"grouped_lora_min_rows must be >= 0 (0: never), got {self.grouped_lora_min_rows}")
         if self.gemv_row_limit < 0 or self.skinny_row_limit < 0:
             raise ValueError(f"gemv_row_limit and skinny_row_limit must be >= 0 (0 turns the kernel off), got "
                              f"{self.gemv_row_limit} and {self.skinny_row_limit}")

@@ -17,9 +17,9 @@ NUM_STEPS = 32
 ROWS = [(7, None), (23, "r4-qv"), (5, "r8-all"), (40, None), (11, "r16-mlp-rs"), (17, "r8-all"), (9, "r4-qv")]
 
 
-def prompts() -> list[list[int]]:
+def prompts(rows=ROWS) -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
-    return [torch.randint(2, 320, (n,), generator=gen).tolist() for n, _ in ROWS]
+    return [torch.randint(2, 320, (n,), generator=gen).tolist() for n, _ in rows]
 
 
 def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True,
@@ -57,7 +57,7 @@ def run(engine: Engine, rows=ROWS, capture_logits=False, steps: list | None = No
             return out
         engine.runner.execute = capture
     params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True)
-    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), rows)):
+    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(rows), rows)):
         engine.add_request(f"r{i}", prompt, params, adapter)
     tokens = defaultdict(list)
     while engine.has_unfinished():
@@ -86,6 +86,27 @@ def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
                                                                                                torch.bfloat16)]
         print(assert_bf16_tracks_hf(torch.stack(logits[f"r{i}"]), tokens[f"r{i}"], *refs,
                                     f"{arch} eager={enforce_eager} row {i} ({adapter})"))
+
+
+# rows sharing two adapters (and the base): decode batches average >= 2 rows per adapter run
+SHARED_ROWS = [(7, "r8-all"), (23, "r4-qv"), (5, "r8-all"), (40, None), (11, "r8-all"), (17, "r4-qv"),
+               (9, "r4-qv"), (13, "r8-all"), (6, None), (15, "r4-qv")]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
+    """Decode graphs whose rows are grouped by adapter (KernelConfig.grouped_lora_min_rows; tile map, split-K
+    shrink) replay for batches sharing adapters, and every row tracks HF+PEFT as the per-row graphs do."""
+    model_dir = hf_models[arch]
+    engine = make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(grouped_lora_min_rows=4))
+    tokens, logits = run(engine, SHARED_ROWS, capture_logits=True)
+    assert engine.runner.graph_runner.replays["grouped"] >= NUM_STEPS - 2
+    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(SHARED_ROWS), SHARED_ROWS)):
+        path = None if adapter is None else adapter_dir(model_dir, adapter)
+        refs = [hf_teacher_forced(model_dir, path, prompt, tokens[f"r{i}"], dtype) for dtype in (torch.float32,
+                                                                                               torch.bfloat16)]
+        print(assert_bf16_tracks_hf(torch.stack(logits[f"r{i}"]), tokens[f"r{i}"], *refs,
+                                    f"{arch} grouped row {i} ({adapter})"))
 
 
 @pytest.mark.parametrize("num_rows,chunk", [(len(ROWS), None), (2, None), (len(ROWS), 24)],

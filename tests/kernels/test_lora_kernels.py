@@ -273,6 +273,50 @@ def test_shrink_then_expand_match_reference_module(dtype, scenario):
     torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol * magnitude)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("tile_map", [False, True], ids=["searched-tiles", "host-tile-map"])
+@pytest.mark.parametrize("scenario", ["decode-merged-uniform-ranks4+16", "mixed-graph-padded", "mixed-70-segments",
+                                      "prefill-uniform-R128"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_and_host_tile_map_give_the_reference_result(dtype, scenario, tile_map, split_k):
+    """Shrink partial sums over split_k ranges of K (float32, added up by the expand) and row tiles read from
+    the host's map (tiles.host_tile_map, the decode graphs' grouped rows) give the reference's delta."""
+    from worker.kernels.tile_map import host_tile_map, max_tiles
+    gen = torch.Generator().manual_seed(6)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    widths = SLICE_WIDTHS["qkv"]
+    ns, R, offsets = len(widths), batch.max_rank, _offsets(widths)
+    x = _randn(batch.num_tokens, IN_DIM, gen=gen).to(dtype)
+    a = _randn(NUM_SLOTS, ns * R, IN_DIM, gen=gen, scale=IN_DIM ** -0.5).to(dtype)
+    y0, _, b, scalings = _expand_inputs(batch, widths, gen)
+    y0, b = y0.to(dtype), b.to(dtype)
+    y = y0.clone()
+    meta = batch.device_metadata()
+    max_seg_len = max(batch.max_seg_len, 2)
+    shrink_cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    expand_cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=32, num_warps=4, num_stages=1)
+    tiles = None
+    if tile_map:
+        num_tiles = max_tiles(batch.num_tokens, batch.num_segments, 16)
+        tiles = torch.tensor(host_tile_map(batch.seg_indptr, 16, num_tiles), dtype=torch.int32, device=DEVICE)
+
+    xa = lora_shrink(x, a, *meta, ns, batch.num_segments, max_seg_len, config=shrink_cfg, split_k=split_k,
+                     tile_map=tiles)
+    lora_expand(y, xa, b, *meta, scalings, offsets, batch.num_segments, max_seg_len, config=expand_cfg,
+                tile_map=tiles)
+
+    expected = y0.float()
+    host = (batch.seg_indptr, batch.slots, batch.slot_ranks)
+    xa_ref = reference.lora_shrink(x.float(), a.float(), *host, ns)
+    if split_k > 1:
+        assert xa.shape == (split_k, batch.num_tokens, ns * R) and xa.dtype == torch.float32
+        rows = [t for lo, hi in zip(batch.seg_indptr, batch.seg_indptr[1:]) for t in range(lo, hi)]
+        _assert_close(xa.sum(0)[rows], xa_ref[rows], torch.float32 if dtype == torch.float32 else torch.float16)
+    reference.lora_expand(expected, xa_ref, b.float(), *host, scalings, offsets)
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
 # launch configs as the kernels' default_config() gives them: a GEMV (one row) and tensor-core tiles
 CONFIGS = [(dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, num_warps=4, num_stages=1),
             dict(BLOCK_M=1, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=4, num_stages=1)),

@@ -156,3 +156,37 @@ def test_a_batch_forced_onto_the_lora_path_has_every_row_base_only():
     assert builder.build(batch).lora is None
     info = builder.build(batch, lora=True).lora
     assert info.token_slots_host == [-1, -1, -1] and info.token_slots.tolist() == [-1, -1, -1]
+
+
+def test_grouped_decode_has_one_segment_per_slot_run_and_a_tile_map_of_fixed_size():
+    """Rows ordered by slot [-1, 0, 0, 1] padded to 6 sequences: segments [-1], [0, 0], [1], the padding rows
+    one base segment, then empty ones up to grouped_segments(6) = min(6, 2 slots + 2) = 4; max_seg_len 6; the
+    tile map (16-row tiles, max_tiles(6, 4, 16) = 5 of them) names each real tile's segment and first row."""
+    from worker.kernels.tile_map import max_tiles
+    builder = make_builder()
+    batch = ScheduledBatch([seq("base", [1], [2], 1, 1), seq("a", [5, 6], [7], 2, 1, slot=0),
+                            seq("b", [3], [4], 1, 1, slot=0), seq("c", [8], [9], 1, 1, slot=1)])
+    info = builder.build(batch, pad_to=6, grouped=True).lora
+    assert info.seg_indptr_host == [0, 1, 3, 4, 6] and info.weight_indices_host == [-1, 0, 1, -1]
+    assert info.num_segments == builder.grouped_segments(6) == 4 and info.max_seg_len == 6
+    assert info.token_slots_host == [-1, 0, 0, 1, -1, -1]
+    assert info.tile_map.tolist() == [0, 0, 1, 1, 2, 3, 3, 4] + [-1, 0] * (max_tiles(6, 4, 16) - 4)
+    assert info.seg_indptr.tolist() == info.seg_indptr_host and info.weight_indices.tolist() == [-1, 0, 1, -1]
+    full = ScheduledBatch([seq(f"r{i}", [1], [2], 1, 1, slot=i % 2) for i in range(6)])
+    full.seqs.sort(key=lambda s: s.lora_slot)
+    info = builder.build(full, pad_to=6, grouped=True).lora
+    assert info.seg_indptr_host == [0, 3, 6, 6, 6] and info.weight_indices_host == [0, 1, -1, -1]
+    assert builder.build(batch, pad_to=6).lora.tile_map is None      # the per-row graphs take no map
+
+
+def test_grouped_decode_tile_map_matches_the_kernels_search():
+    """host_tile_map agrees with kernels/tiles.locate_tile's answers (reference.tile_map) on segment mixes."""
+    from worker.kernels import reference
+    from worker.kernels.tile_map import host_tile_map, max_tiles
+    for lens in ([1] * 5, [17, 0, 3, 40], [0, 0, 16, 16, 1], [64, 1, 65]):
+        indptr = [0]
+        for n in lens:
+            indptr.append(indptr[-1] + n)
+        num_tiles = max_tiles(indptr[-1], len(lens), 16)
+        expected = reference.tile_map(indptr, len(lens), 16, num_tiles)
+        assert host_tile_map(indptr, 16, num_tiles) == [v for tile in expected for v in tile]

@@ -14,13 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.kernels.tile_map import max_tiles  # noqa: F401  (re-exported: the kernels size their grids with it)
+
 CHUNK = tl.constexpr(64)   # groups read per vector step (batches of up to 64 sequences take one); kernels read it
-
-
-def max_tiles(num_rows: int, num_groups: int, block: int) -> int:
-    """An upper bound on the tiles of any split of num_rows rows into num_groups groups:
-    sum_i cdiv(n_i, block) <= sum_i (n_i / block + 1)."""
-    return triton.cdiv(num_rows, block) + num_groups
 
 
 @triton.jit
@@ -60,6 +56,17 @@ def group_tile(indptr_ptr, num_groups, tile, FLAT: tl.constexpr, BLOCK: tl.const
         end = tl.load(indptr_ptr + group + 1)
         row0 = tl.load(indptr_ptr + group) + tile * BLOCK
         group = tl.where(row0 < end, group, -1)
+    return group, row0, end
+
+
+@triton.jit
+def mapped_tile(tile_map_ptr, indptr_ptr, tile):
+    """Semantics: group_tile's (g, first row, indptr[g + 1]) read from a tile map the host built
+    (tile_map.host_tile_map: tile_map[2 * tile], tile_map[2 * tile + 1] = g, first row; g = -1 past the
+    last tile): no search."""
+    group = tl.load(tile_map_ptr + 2 * tile)
+    row0 = tl.load(tile_map_ptr + 2 * tile + 1)
+    end = tl.load(indptr_ptr + tl.maximum(group, 0) + 1)
     return group, row0, end
 
 

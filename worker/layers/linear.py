@@ -105,25 +105,31 @@ class Linear(nn.Module):
         side stream before anything after it can reuse x. A deferred delta is allocated on the side stream
         and read here: the caller keeps it until its consumer is queued, and any later allocation on the
         side stream follows a fork from after that point. Inside graph capture the fork and join are edges."""
-        from worker.kernels.lora_expand import lora_expand   # Triton; imported here so CPU installs need none
-        from worker.kernels.lora_shrink import lora_shrink
+        from worker.kernels import lora_expand as expand   # Triton; imported here so CPU installs need none
+        from worker.kernels import lora_shrink as shrink
         w = self.lora
+        shrink_kw, expand_kw = {}, {}
+        if info.tile_map is not None:     # a decode graph's rows grouped by adapter
+            shrink_cfg, split_k = shrink.grouped_config(x.shape[1])
+            shrink_kw = dict(config=shrink_cfg, split_k=split_k, tile_map=info.tile_map)
+            expand_kw = dict(config=expand.grouped_config(w.b.shape[2]), tile_map=info.tile_map)
         side = w.lora_stream if info.overlap else None
         assert side is not None or not defer
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         delta = None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            xa = lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
-                             info.num_segments, info.max_seg_len)
+            xa = shrink.lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
+                                    info.num_segments, info.max_seg_len, **shrink_kw)
             if defer:
                 delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
-                lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                            w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False)
+                expand.lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                                   w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False,
+                                   **expand_kw)
         y = project(x, self.weight, self.bias, self.kernels, beside_lora=side is not None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         if not defer:
-            lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                        w.slice_offsets, info.num_segments, info.max_seg_len)
+            expand.lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                               w.slice_offsets, info.num_segments, info.max_seg_len, **expand_kw)
         return y, delta

@@ -9,7 +9,11 @@ those that want prompt logprobs, run eagerly.
 
 Each bucket has two graphs: with LoRA (the shrink/expand kernels read the slot of every segment
 from device memory, so any adapter or rank mix replays without recapture) and without (no LoRA
-launches when no sequence has an adapter). Inputs live in the input builder's persistent buffers; every
+launches when no sequence has an adapter). Decode buckets of at least `grouped_min_rows` sequences have a
+third: LoRA over rows grouped by adapter (one segment per adapter's run of rows, the scheduler ordering rows
+by slot; row tiles from the input builder's tile map, K split in the shrink), which a batch replays when its
+rows average two or more per segment: each tile then reads its adapter's A and B once for all its rows,
+where the per-row graph reads them once per row. Inputs live in the input builder's persistent buffers; every
 graph writes its logits into one shared buffer ([max_num_seqs, vocab] float32), so the graphs' pool holds
 one graph's working set, not one set of logits per graph (what the memory plan reserves).
 """
@@ -34,6 +38,11 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+def grouped_buckets(max_num_seqs: int, min_rows: int) -> list[int]:
+    """The decode buckets of at least min_rows sequences (0: none), which get a grouped-LoRA graph."""
+    return [b for b in graph_buckets(max_num_seqs) if min_rows > 0 and b >= min_rows]
+
+
 def mixed_token_buckets(max_tokens: int) -> list[int]:
     """16, 32, then steps of 32 up to 512 and of 64 above, up to max_tokens (always a bucket): from ~256
     tokens a step is bound by compute, and padding adds at most an eighth of the tokens past 256."""
@@ -47,21 +56,25 @@ def mixed_token_buckets(max_tokens: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, kv_caches, input_builder: InputBuilder, max_num_seqs: int,
-                 max_mixed_tokens: int = 0):
+                 max_mixed_tokens: int = 0, grouped_min_rows: int = 0):
         self.model, self.kv_caches, self.inputs = model, kv_caches, input_builder
         self.buckets = graph_buckets(max_num_seqs)
+        self.grouped_buckets = grouped_buckets(max_num_seqs, grouped_min_rows)
         self.max_num_seqs = max_num_seqs
         self.token_buckets = mixed_token_buckets(max_mixed_tokens)
-        # (kind, size, lora) -> (graph, its logits); kind "decode" (size: sequences) or "mixed" (size: tokens)
-        self.graphs: dict[tuple[str, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.replays = {"decode": 0, "mixed": 0}
+        # (kind, size, lora) -> (graph, its logits); kind "decode" (size: sequences) or "mixed" (size: tokens);
+        # lora: False, True (one segment per sequence, or per run of a slot in a mixed batch) or "grouped"
+        self.graphs: dict[tuple[str, int, bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = {"decode": 0, "mixed": 0, "grouped": 0}
         self.pool = None
         self.logits = None          # [max_num_seqs, vocab] float32, allocated at the first capture
 
     @staticmethod
-    def num_graphs(max_num_seqs: int, max_mixed_tokens: int) -> int:
-        """How many graphs capture() makes (two per bucket: with and without LoRA)."""
-        return 2 * (len(graph_buckets(max_num_seqs)) + len(mixed_token_buckets(max_mixed_tokens)))
+    def num_graphs(max_num_seqs: int, max_mixed_tokens: int, grouped_min_rows: int = 0) -> int:
+        """How many graphs capture() makes (two per bucket: with and without LoRA; a third for the grouped
+        decode buckets)."""
+        return (2 * (len(graph_buckets(max_num_seqs)) + len(mixed_token_buckets(max_mixed_tokens)))
+                + len(grouped_buckets(max_num_seqs, grouped_min_rows)))
 
     def mixed_seqs(self, tokens: int) -> int:
         """Sequences a mixed graph of `tokens` tokens is padded to: every sequence has a token."""
@@ -73,14 +86,16 @@ class CUDAGraphRunner:
         # largest first: smaller graphs reuse its memory pool
         shapes = [("mixed", t) for t in reversed(self.token_buckets)] + [("decode", b) for b in reversed(self.buckets)]
         for kind, size in shapes:
-            for lora in (True, False):
+            modes = (True, False, "grouped") if kind == "decode" and size in self.grouped_buckets else (True, False)
+            for lora in modes:
                 self.graphs[(kind, size, lora)] = self._capture(kind, size, lora)
         logger.info("captured %d CUDA graphs (decode batch sizes %s, mixed-batch token counts %s) in %.1f s",
                     len(self.graphs), self.buckets, self.token_buckets, time.perf_counter() - start)
 
-    def _build(self, kind: str, size: int, batch: ScheduledBatch, lora: bool, prev_tokens=None):
+    def _build(self, kind: str, size: int, batch: ScheduledBatch, lora: bool | str, prev_tokens=None):
         if kind == "decode":
-            return self.inputs.build(batch, pad_to=size, lora=lora, prev_tokens=prev_tokens)
+            return self.inputs.build(batch, pad_to=size, lora=bool(lora), prev_tokens=prev_tokens,
+                                     grouped=lora == "grouped")
         return self.inputs.build(batch, lora=lora, prev_tokens=prev_tokens, mixed_pad=(size, self.mixed_seqs(size)))
 
     def _capture(self, kind: str, size: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -115,6 +130,17 @@ class CUDAGraphRunner:
             return None
         return "mixed", size
 
+    def _lora_mode(self, kind: str, size: int, batch: ScheduledBatch) -> bool | str:
+        """False without adapters; "grouped" for a decode batch whose rows average two or more per run of one
+        slot (and whose bucket has the graph); else True."""
+        if not batch.lora_slots:
+            return False
+        if kind != "decode" or size not in self.grouped_buckets:
+            return True
+        runs = 1 + sum(a.lora_slot != b.lora_slot for a, b in zip(batch.seqs, batch.seqs[1:]))
+        grouped = 2 * runs <= len(batch.seqs) and runs < self.inputs.grouped_segments(size)
+        return "grouped" if grouped else True
+
     def decode_graph(self, num_seqs: int, lora: bool) -> torch.cuda.CUDAGraph:
         """The decode graph that runs batches of `num_seqs` sequences, with or without LoRA. A replay reads
         whatever the latest build left in the input buffers (bench.decode_step times the device work alone)."""
@@ -127,9 +153,10 @@ class CUDAGraphRunner:
         shape = self.shape_for(batch)
         if shape is None:
             return None
-        lora = bool(batch.lora_slots)
+        lora = self._lora_mode(*shape, batch)
         self._build(*shape, batch, lora, prev_tokens)
         graph, logits = self.graphs[(*shape, lora)]
         graph.replay()
         self.replays[shape[0]] += 1
+        self.replays["grouped"] += lora == "grouped"
         return logits[:sum(s.samples for s in batch.seqs)]

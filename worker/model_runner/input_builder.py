@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from worker.batch import ForwardBatch, LoRABatchInfo, ScheduledBatch
+from worker.kernels.tile_map import TILE_ROWS, host_tile_map, max_tiles
 
 
 @dataclass(slots=True)
@@ -78,7 +79,8 @@ class InputBuilder:
                   "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
                   "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
                   "weight_indices": ([max_num_tokens], i32), "token_slots": ([max_num_tokens], i32),
-                  "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64)}
+                  "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64),
+                  "tile_map": ([2 * max_tiles(max_num_seqs, max_num_seqs + 1, TILE_ROWS)], i32)}
         # all fields are views of one byte buffer per side, so a step's inputs go over in one copy
         self._host_bufs = [_byte_buffer(shapes, torch.device("cpu"), pin) for _ in range(2)]
         self._host_sets = [_field_views(buf, shapes) for buf in self._host_bufs]
@@ -89,12 +91,15 @@ class InputBuilder:
         self.lora_ranks_host, self.lora_ranks = lora_ranks_host, lora_ranks
 
     def build(self, batch: ScheduledBatch, pad_to: int | None = None, lora: bool | None = None,
-              prev_tokens: torch.Tensor | None = None, mixed_pad: tuple[int, int] | None = None) -> ForwardBatch:
+              prev_tokens: torch.Tensor | None = None, mixed_pad: tuple[int, int] | None = None,
+              grouped: bool = False) -> ForwardBatch:
         """`pad_to`: a decode batch padded to that many sequences, one LoRA segment per sequence (the
-        fixed shapes of a decode CUDA graph). `mixed_pad`: (tokens, seqs), any batch padded to the fixed
-        shapes of a mixed-batch graph (_pad_mixed). `lora`: force LoRA on or off (graph capture); None decides
-        from the batch. `prev_tokens`: the sampled token ids [num_rows] of the batch in flight, where the
-        pending tokens of this batch's requests come from."""
+        fixed shapes of a decode CUDA graph); with `grouped`, one segment per run of sequences on one slot
+        (the scheduler orders rows by slot) and a tile map for the LoRA kernels (_grouped_segments).
+        `mixed_pad`: (tokens, seqs), any batch padded to the fixed shapes of a mixed-batch graph (_pad_mixed).
+        `lora`: force LoRA on or off (graph capture); None decides from the batch. `prev_tokens`: the sampled
+        token ids [num_rows] of the batch in flight, where the pending tokens of this batch's requests come
+        from."""
         self._current = 1 - self._current
         block_tables = self._host_np[self._current]["block_tables"]
         block_tables.fill(-1)
@@ -106,7 +111,7 @@ class InputBuilder:
             _pad_mixed(rows, *mixed_pad)
             max_query_len = mixed_pad[0]
         self._write_host(rows)
-        lora_info = self._build_lora(batch, pad_to, lora, mixed_pad, len(rows.ids))
+        lora_info = self._build_lora(batch, pad_to, lora, mixed_pad, len(rows.ids), grouped)
         self._to_device()
         self._gather_pending(rows, prev_tokens)
         return self._forward_batch(rows, max_query_len, lora_info)
@@ -171,7 +176,7 @@ class InputBuilder:
         return self._host_sets[self._current]
 
     def _build_lora(self, batch: ScheduledBatch, pad_to: int | None, force: bool | None,
-                    mixed_pad: tuple[int, int] | None, num_tokens: int) -> LoRABatchInfo | None:
+                    mixed_pad: tuple[int, int] | None, num_tokens: int, grouped: bool = False) -> LoRABatchInfo | None:
         """Merge consecutive sequences of the same slot into segments (not when padding for a decode graph;
         a mixed graph's padding adds empty segments up to its sequence count), and give each of the
         `num_tokens` token rows its slot (the MoE-LoRA kernels' token_slots; padding rows -1).
@@ -179,17 +184,20 @@ class InputBuilder:
         Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b],
         token_slots [a, a, a, a, -1, -1, b, b] (and -1 for each padding row after them).
         """
-        indptr, weights = [0], []
-        for seq in batch.seqs:
-            if weights and weights[-1] == seq.lora_slot and pad_to is None:
-                indptr[-1] += seq.num_new_tokens
-            else:
-                weights.append(seq.lora_slot)
-                indptr.append(indptr[-1] + seq.num_new_tokens)
-        for _ in range(len(batch.seqs), pad_to or 0):
-            weights.append(-1)
-            indptr.append(indptr[-1] + 1)
-        max_seg_len = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
+        if grouped:
+            indptr, weights, max_seg_len = self._grouped_segments(batch, pad_to)
+        else:
+            indptr, weights = [0], []
+            for seq in batch.seqs:
+                if weights and weights[-1] == seq.lora_slot and pad_to is None:
+                    indptr[-1] += seq.num_new_tokens
+                else:
+                    weights.append(seq.lora_slot)
+                    indptr.append(indptr[-1] + seq.num_new_tokens)
+            for _ in range(len(batch.seqs), pad_to or 0):
+                weights.append(-1)
+                indptr.append(indptr[-1] + 1)
+            max_seg_len = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
         if mixed_pad is not None:
             weights += [-1] * (mixed_pad[1] - len(weights))
             indptr += [indptr[-1]] * (mixed_pad[1] + 1 - len(indptr))
@@ -206,12 +214,44 @@ class InputBuilder:
         token_slots = [w for w, lo, hi in zip(weights, indptr, indptr[1:]) for _ in range(hi - lo)]
         token_slots += [-1] * (num_tokens - len(token_slots))
         h["token_slots"][:num_tokens] = token_slots
+        tile_map = None
+        if grouped:
+            num_tiles = max_tiles(pad_to, len(weights), TILE_ROWS)
+            h["tile_map"][:2 * num_tiles] = host_tile_map(indptr, TILE_ROWS, num_tiles)
+            tile_map = self.dev["tile_map"][:2 * num_tiles]
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
                              weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
                              max_rank=max_rank, max_seg_len=max_seg_len,
                              token_slots=self.dev["token_slots"][:num_tokens], overlap=pad_to is not None,
+                             tile_map=tile_map,
                              seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks),
                              token_slots_host=token_slots)
+
+    def grouped_segments(self, num_seqs: int) -> int:
+        """The segment count of a grouped decode graph of `num_seqs` sequences: every slot's run, the base
+        rows' and the padding rows' (unused ones empty), capped by the sequences."""
+        return min(num_seqs, len(self.lora_ranks_host) + 2)
+
+    def _grouped_segments(self, batch: ScheduledBatch, pad_to: int) -> tuple[list[int], list[int], int]:
+        """(seg_indptr, slots, max_seg_len) of a decode graph whose rows are grouped by slot: one segment per
+        run of sequences on one slot, the padding rows one base-only segment, then empty segments up to
+        grouped_segments(pad_to); max_seg_len is pad_to, so the grid (of row tiles) is the same for any mix.
+        Slots [-1, a, a, b] padded to 8 sequences: seg_indptr [0, 1, 3, 4, 8, 8, ...], slots [-1, a, b, -1, -1, ...]."""
+        indptr, weights = [0], []
+        for seq in batch.seqs:
+            if weights and weights[-1] == seq.lora_slot:
+                indptr[-1] += 1
+            else:
+                weights.append(seq.lora_slot)
+                indptr.append(indptr[-1] + 1)
+        if len(batch.seqs) < pad_to:
+            weights.append(-1)
+            indptr.append(pad_to)
+        num_segments = self.grouped_segments(pad_to)
+        assert len(weights) <= num_segments, "rows not grouped by slot: more segments than a grouped graph has"
+        weights += [-1] * (num_segments - len(weights))
+        indptr += [pad_to] * (num_segments + 1 - len(indptr))
+        return indptr, weights, pad_to
 
     def _to_device(self) -> None:
         self._dev_buf.copy_(self._host_bufs[self._current], non_blocking=True)

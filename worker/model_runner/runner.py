@@ -99,12 +99,16 @@ class ModelRunner:
         if use_graphs:
             free_before = torch.cuda.mem_get_info(device)[0]
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
-                                                sched.max_num_seqs, graph_tokens)
+                                                sched.max_num_seqs, graph_tokens, self._grouped_min_rows(config))
             self.graph_runner.capture()
             torch.cuda.empty_cache()     # the capture warm-ups' blocks, cached for their side stream alone
             taken = free_before - torch.cuda.mem_get_info(device)[0]
             logger.info("CUDA graphs took %.2f GiB (%s)", taken / 2**30,
                         f"planned {self.plan.graphs / 2**30:.2f} GiB" if self.plan else "no memory plan")
+
+    def _grouped_min_rows(self, config: WorkerConfig) -> int:
+        """KernelConfig.grouped_lora_min_rows, 0 (no grouped-LoRA graphs) when the model has no LoRA slots."""
+        return config.kernels.grouped_lora_min_rows if self.lora_pool.ranks_host else 0
 
     def _attach_moe_workspaces(self, arch: ArchConfig, config: WorkerConfig) -> int:
         """The buffers every sparse MoE layer's kernels work in (kernels/moe.py, kernels/moe_lora.py), one set
@@ -132,7 +136,8 @@ class ModelRunner:
             tokens = min(sched.max_num_batched_tokens, max(graph_tokens, sched.max_num_seqs))
             graphs = (self._profile_peak(arch, cache.block_size, tokens, sched.max_num_seqs, eager=False)
                       + sched.max_num_seqs * arch.vocab_size * 4
-                      + CUDAGraphRunner.num_graphs(sched.max_num_seqs, graph_tokens) * GRAPH_ALLOWANCE_BYTES)
+                      + GRAPH_ALLOWANCE_BYTES * CUDAGraphRunner.num_graphs(sched.max_num_seqs, graph_tokens,
+                                                                           self._grouped_min_rows(config)))
         torch.cuda.empty_cache()
         free_now, total = torch.cuda.mem_get_info(device)
         plan = plan_memory(
