@@ -76,10 +76,13 @@ class KernelConfig:
                                       # beside its base GEMM (False: in line)
     grouped_lora_min_rows: int = 32   # decode graphs of at least this many sequences also capture LoRA over rows
                                       # grouped by adapter (cuda_graph.py), replayed when rows share adapters (0: never)
+    lora_tile_map_max_tokens: int = 2048  # mixed-batch graphs of at most this many tokens run LoRA over 16-row tiles
+                                          # from the host's tile map, K split in the shrink (0: none)
 
     def __post_init__(self):
-        if self.grouped_lora_min_rows < 0:
-            raise ValueError(f"grouped_lora_min_rows must be >= 0 (0: never), got {self.grouped_lora_min_rows}")
+        if self.grouped_lora_min_rows < 0 or self.lora_tile_map_max_tokens < 0:
+            raise ValueError(f"grouped_lora_min_rows and lora_tile_map_max_tokens must be >= 0 (0: never), got "
+                             f"{self.grouped_lora_min_rows} and {self.lora_tile_map_max_tokens}")
         if self.gemv_row_limit < 0 or self.skinny_row_limit < 0:
             raise ValueError(f"gemv_row_limit and skinny_row_limit must be >= 0 (0 turns the kernel off), got "
                              f"{self.gemv_row_limit} and {self.skinny_row_limit}")

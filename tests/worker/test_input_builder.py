@@ -190,3 +190,20 @@ def test_grouped_decode_tile_map_matches_the_kernels_search():
         num_tiles = max_tiles(indptr[-1], len(lens), 16)
         expected = reference.tile_map(indptr, len(lens), 16, num_tiles)
         assert host_tile_map(indptr, 16, num_tiles) == [v for tile in expected for v in tile]
+
+
+def test_a_mixed_graph_with_a_tile_map_keeps_its_segments_and_maps_their_tiles():
+    """A mixed-batch graph of 32 tokens and 6 sequences: segments merged by slot and padded as without the map;
+    the map (max_tiles(32, 6, 16) = 8 tiles) holds the real segments' 16-row tiles: the 14-token prefill and
+    three decode rows on slot 0 (17 rows) take two."""
+    from worker.kernels.tile_map import max_tiles
+    builder = make_builder()
+    batch = ScheduledBatch([seq("base", [1], [2], 1, 1), seq("p", list(range(14)), [], 0, 14, slot=0)]
+                           + [seq(f"d{i}", [3], [4], 1, 1, slot=0) for i in range(3)])
+    plain = builder.build(batch, mixed_pad=(32, 6)).lora
+    info = builder.build(batch, mixed_pad=(32, 6), grouped=True).lora
+    assert plain.tile_map is None
+    assert info.seg_indptr_host == plain.seg_indptr_host == [0, 1, 18, 18, 18, 18, 18]
+    assert info.weight_indices_host == plain.weight_indices_host == [-1, 0, -1, -1, -1, -1]
+    assert info.max_seg_len == 32
+    assert info.tile_map.tolist() == [0, 0, 1, 1, 1, 17] + [-1, 0] * (max_tiles(32, 6, 16) - 3)

@@ -9,7 +9,9 @@ those that want prompt logprobs, run eagerly.
 
 Each bucket has two graphs: with LoRA (the shrink/expand kernels read the slot of every segment
 from device memory, so any adapter or rank mix replays without recapture) and without (no LoRA
-launches when no sequence has an adapter). Decode buckets of at least `grouped_min_rows` sequences have a
+launches when no sequence has an adapter). Mixed graphs of at most `tile_map_max_tokens` tokens run their
+LoRA kernels over 16-row tiles from the input builder's tile map, the shrink split over K (the decode rows
+beside a prefill are grouped by adapter too). Decode buckets of at least `grouped_min_rows` sequences have a
 third: LoRA over rows grouped by adapter (one segment per adapter's run of rows, the scheduler ordering rows
 by slot; row tiles from the input builder's tile map, K split in the shrink), which a batch replays when its
 rows average two or more per segment: each tile then reads its adapter's A and B once for all its rows,
@@ -56,10 +58,11 @@ def mixed_token_buckets(max_tokens: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, kv_caches, input_builder: InputBuilder, max_num_seqs: int,
-                 max_mixed_tokens: int = 0, grouped_min_rows: int = 0):
+                 max_mixed_tokens: int = 0, grouped_min_rows: int = 0, tile_map_max_tokens: int = 0):
         self.model, self.kv_caches, self.inputs = model, kv_caches, input_builder
         self.buckets = graph_buckets(max_num_seqs)
         self.grouped_buckets = grouped_buckets(max_num_seqs, grouped_min_rows)
+        self.tile_map_max_tokens = tile_map_max_tokens     # mixed graphs up to this many tokens: LoRA tile maps
         self.max_num_seqs = max_num_seqs
         self.token_buckets = mixed_token_buckets(max_mixed_tokens)
         # (kind, size, lora) -> (graph, its logits); kind "decode" (size: sequences) or "mixed" (size: tokens);
@@ -96,7 +99,8 @@ class CUDAGraphRunner:
         if kind == "decode":
             return self.inputs.build(batch, pad_to=size, lora=bool(lora), prev_tokens=prev_tokens,
                                      grouped=lora == "grouped")
-        return self.inputs.build(batch, lora=lora, prev_tokens=prev_tokens, mixed_pad=(size, self.mixed_seqs(size)))
+        return self.inputs.build(batch, lora=lora, prev_tokens=prev_tokens, mixed_pad=(size, self.mixed_seqs(size)),
+                                 grouped=size <= self.tile_map_max_tokens)
 
     def _capture(self, kind: str, size: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         batch = self._build(kind, size, ScheduledBatch(), lora)

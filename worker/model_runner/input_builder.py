@@ -80,7 +80,7 @@ class InputBuilder:
                   "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
                   "weight_indices": ([max_num_tokens], i32), "token_slots": ([max_num_tokens], i32),
                   "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64),
-                  "tile_map": ([2 * max_tiles(max_num_seqs, max_num_seqs + 1, TILE_ROWS)], i32)}
+                  "tile_map": ([2 * max_tiles(max(max_num_tokens, max_num_seqs), max_num_seqs + 1, TILE_ROWS)], i32)}
         # all fields are views of one byte buffer per side, so a step's inputs go over in one copy
         self._host_bufs = [_byte_buffer(shapes, torch.device("cpu"), pin) for _ in range(2)]
         self._host_sets = [_field_views(buf, shapes) for buf in self._host_bufs]
@@ -95,7 +95,8 @@ class InputBuilder:
               grouped: bool = False) -> ForwardBatch:
         """`pad_to`: a decode batch padded to that many sequences, one LoRA segment per sequence (the
         fixed shapes of a decode CUDA graph); with `grouped`, one segment per run of sequences on one slot
-        (the scheduler orders rows by slot) and a tile map for the LoRA kernels (_grouped_segments).
+        (the scheduler orders rows by slot; _grouped_segments) and, for decode and mixed graphs alike, a map
+        of the LoRA kernels' row tiles.
         `mixed_pad`: (tokens, seqs), any batch padded to the fixed shapes of a mixed-batch graph (_pad_mixed).
         `lora`: force LoRA on or off (graph capture); None decides from the batch. `prev_tokens`: the sampled
         token ids [num_rows] of the batch in flight, where the pending tokens of this batch's requests come
@@ -184,7 +185,7 @@ class InputBuilder:
         Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b],
         token_slots [a, a, a, a, -1, -1, b, b] (and -1 for each padding row after them).
         """
-        if grouped:
+        if grouped and pad_to is not None:
             indptr, weights, max_seg_len = self._grouped_segments(batch, pad_to)
         else:
             indptr, weights = [0], []
@@ -216,7 +217,7 @@ class InputBuilder:
         h["token_slots"][:num_tokens] = token_slots
         tile_map = None
         if grouped:
-            num_tiles = max_tiles(pad_to, len(weights), TILE_ROWS)
+            num_tiles = max_tiles(pad_to or mixed_pad[0], len(weights), TILE_ROWS)
             h["tile_map"][:2 * num_tiles] = host_tile_map(indptr, TILE_ROWS, num_tiles)
             tile_map = self.dev["tile_map"][:2 * num_tiles]
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],

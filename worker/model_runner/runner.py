@@ -99,7 +99,8 @@ class ModelRunner:
         if use_graphs:
             free_before = torch.cuda.mem_get_info(device)[0]
             self.graph_runner = CUDAGraphRunner(self.model, self.kv_pool.caches, self.input_builder,
-                                                sched.max_num_seqs, graph_tokens, self._grouped_min_rows(config))
+                                                sched.max_num_seqs, graph_tokens, self._grouped_min_rows(config),
+                                                config.kernels.lora_tile_map_max_tokens)
             self.graph_runner.capture()
             torch.cuda.empty_cache()     # the capture warm-ups' blocks, cached for their side stream alone
             taken = free_before - torch.cuda.mem_get_info(device)[0]
