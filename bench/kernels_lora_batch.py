@@ -52,8 +52,8 @@ VARIANTS = ("gemm", "per_row", "grouped", "engine", "grouped_best", "mapped")
 MAP_BLOCK_M = 16                 # row tiles of the host's tile map
 SPLITS = (1, 2, 4, 8)
 MAP_SHRINK = [dict(BLOCK_M=MAP_BLOCK_M, BLOCK_N=16, BLOCK_K=k, num_warps=4, num_stages=3) for k in (128, 256)]
-MAP_EXPAND = [dict(BLOCK_M=MAP_BLOCK_M, BLOCK_N=n, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=4, num_stages=2)
-              for n in (64, 128, 256)]
+MAP_EXPAND = [dict(BLOCK_M=MAP_BLOCK_M, BLOCK_N=n, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=w, num_stages=2)
+              for n, w in itertools.product((128, 256, 512, 1024), (4, 8))]
 
 
 def segments(rows: int, adapters: int) -> tuple[list[int], list[int]]:
@@ -91,7 +91,7 @@ def run_case(name: str, rows: int, adapters: int, iters: int, sweep: bool, copy_
 
     num_tiles = max_tiles(rows, num_segs, MAP_BLOCK_M)
     tile_map = torch.tensor(host_tile_map(grouped_indptr + [rows] * pad, MAP_BLOCK_M, num_tiles), **i32)
-    shrink_cfg, split_k = shrink_grouped_config(k)
+    shrink_cfg, split_k = shrink_grouped_config(k, n)
     engine = (shrink_cfg, expand_grouped_config(RANK), split_k, tile_map)      # what a grouped decode graph runs
 
     def lora(i: int, out: torch.Tensor, segs: tuple, shrink: dict | None, expand: dict | None, split_k: int = 1,

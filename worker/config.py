@@ -76,7 +76,7 @@ class KernelConfig:
                                       # beside its base GEMM (False: in line)
     grouped_lora_min_rows: int = 32   # decode graphs of at least this many sequences also capture LoRA over rows
                                       # grouped by adapter (cuda_graph.py), replayed when rows share adapters (0: never)
-    lora_tile_map_max_tokens: int = 2048  # mixed-batch graphs of at most this many tokens run LoRA over 16-row tiles
+    lora_tile_map_max_tokens: int = 1024  # mixed-batch graphs of at most this many tokens run LoRA over 16-row tiles
                                           # from the host's tile map, K split in the shrink (0: none)
 
     def __post_init__(self):

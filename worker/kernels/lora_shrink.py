@@ -105,11 +105,13 @@ def default_config(max_seg_len: int, in_dim: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def grouped_config(in_dim: int) -> tuple[dict, int]:
-    """(launch keywords, split_k) for a decode graph's rows grouped by adapter in TILE_ROWS-row tiles from the
-    host's tile map (chosen with bench.kernels_lora_batch on an H200, BENCHMARKS.md): K cut into ranges of
-    at least 1,024 (at most 8) so a batch of few adapters still has programs for every SM."""
-    split_k = min(8, max(1, in_dim // 1024))
+def grouped_config(in_dim: int, out_dim: int) -> tuple[dict, int]:
+    """(launch keywords, split_k) for rows grouped by adapter in TILE_ROWS-row tiles from the host's tile map
+    (chosen with bench.kernels_lora_batch's sweep on an H200, BENCHMARKS.md): K cut into ranges of at least
+    1,024 (at most 8) so a batch of few adapters still has programs for every SM; not cut for projections
+    whose output is over twice their input (gate_up): their expand, which adds the partial sums up once per
+    column tile, has many more tiles to do it in than the shrink saves."""
+    split_k = 1 if out_dim > 2 * in_dim else min(8, max(1, in_dim // 1024))
     return dict(BLOCK_M=TILE_ROWS, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3), split_k
 
 

@@ -110,7 +110,7 @@ class Linear(nn.Module):
         w = self.lora
         shrink_kw, expand_kw = {}, {}
         if info.tile_map is not None:     # a decode graph's rows grouped by adapter
-            shrink_cfg, split_k = shrink.grouped_config(x.shape[1])
+            shrink_cfg, split_k = shrink.grouped_config(x.shape[1], self.slice_offsets[-1])
             shrink_kw = dict(config=shrink_cfg, split_k=split_k, tile_map=info.tile_map)
             expand_kw = dict(config=expand.grouped_config(w.b.shape[2]), tile_map=info.tile_map)
         side = w.lora_stream if info.overlap else None
