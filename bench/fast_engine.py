@@ -1,6 +1,8 @@
-"""A stand-in worker engine that emits tokens as fast as it can: no model, no torch, no sleeping.
+"""A stand-in worker engine that emits tokens as fast as it can, or at a GPU's pace: no model, no torch.
 
-Each step gives every request its next token; a request ends with "length" after max_tokens.
+Each step gives every request its next token; a request ends with "length" after max_tokens. With
+$LORAPLEX_FAST_ENGINE_STEP_MS set, a step takes at least that long (it sleeps out the rest), as a decode step
+on a GPU does, so the gateway is offered streams / step tokens per second instead of all it can take.
 Tokens cycle through ids of the model directory's tokenizer.json that decode on their own to
 printable text, so each token reaches the client as one SSE chunk and counts can be compared
 exactly. Adapters are names only: no tiers (a registered adapter counts as on the GPU, lora_stats
@@ -8,6 +10,8 @@ is None) and no weights.
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from worker.engine_interface import EngineInterface
 from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 
 MAX_MODEL_LEN = 1 << 20
+STEP_MS_ENV = "LORAPLEX_FAST_ENGINE_STEP_MS"
 
 
 @dataclass
@@ -40,6 +45,8 @@ class FastEngine(EngineInterface):
         self._token_ids = printable_token_ids(tokenizer)
         self._requests: dict[str, FastRequest] = {}
         self._adapters: dict[str, AdapterState] = {}
+        self._step_s = float(os.environ.get(STEP_MS_ENV) or 0) / 1000
+        self._next_step = 0.0                   # time.monotonic() before which a paced step does not end
 
     def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
                     warm: bool = False) -> None:
@@ -69,7 +76,13 @@ class FastEngine(EngineInterface):
         return RequestOutput(request_id, [], finish_reason="abort", num_prompt_tokens=request.num_prompt_tokens)
 
     def step(self) -> list[RequestOutput]:
-        return [self._advance(request) for request in list(self._requests.values())]
+        outputs = [self._advance(request) for request in list(self._requests.values())]
+        if self._step_s:
+            now = time.monotonic()
+            if now < self._next_step:
+                time.sleep(self._next_step - now)
+            self._next_step = max(now, self._next_step) + self._step_s
+        return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -88,6 +101,14 @@ class FastEngine(EngineInterface):
 
     @property
     def num_preemptions(self) -> int:
+        return 0
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return 0
+
+    @property
+    def prefix_cache_hits(self) -> int:
         return 0
 
     def running_adapter_names(self) -> list[str]:

@@ -3,14 +3,17 @@
     python -m bench.gateway_throughput --streams 64 --duration 10 --out gateway_throughput.json
 
 Three kinds of processes: the gateway (the real Starlette app under uvicorn, one process, pinned to
-one core), its worker running bench.fast_engine.FastEngine (tokens as fast as it can make them),
-and client processes, each driving its share of the SSE streams with httpx. Every stream sends
-completion requests back to back until the duration is over. Tokens are counted twice on the
-client side, as SSE chunks (FastEngine's tokens are one chunk each) and from each stream's final
-usage chunk; the gateway's vllm:generation_tokens_total counts what the worker sent.
+one core), its worker running bench.fast_engine.FastEngine (tokens as fast as it can make them, or one
+per stream every --step-ms, as a GPU's decode steps come), and client processes, each driving its share
+of the SSE streams over keep-alive HTTP/1.1 connections it reads by hand (lighter than httpx, so that the
+clients' CPU stays small beside the gateway's). Every stream sends completion requests back to back until
+the duration is over. Tokens are counted on the client side from each stream's final usage chunk, and SSE chunks apart:
+a stream that keeps up gets one chunk per token, one that falls behind gets the tokens waiting for it
+merged into one chunk (gateway.output_collector). The gateway's vllm:generation_tokens_total counts what
+the worker sent.
 
-Reported: tokens per wall-clock second, and tokens per CPU second of the gateway process (its
-throughput at a full core, whatever else the machine is running).
+Reported: tokens and chunks per wall-clock second, tokens per chunk, and tokens per CPU second of the
+gateway process (its throughput at a full core, whatever else the machine is running).
 """
 from __future__ import annotations
 
@@ -34,16 +37,15 @@ from pathlib import Path
 import httpx
 import psutil
 
+from bench.fast_engine import STEP_MS_ENV
+
 logger = logging.getLogger("bench.gateway_throughput")
 
 FAST_ENGINE = "bench.fast_engine:FastEngine"
 SERVED_NAME = "bench"
 PROMPT = "A language model server"
-GOAL_TOKENS_PER_S = 20_000
+GOAL_TOKENS_PER_S = 60_000         # at 256 and 512 streams on the GPU machine's CPUs (issue 20)
 STARTUP_SECONDS = 60
-# An idle pooled connection must expire on the client well before uvicorn's 5 s keep-alive timeout
-# closes it, or a request sent just as the server closes it fails with a reset connection.
-KEEPALIVE_EXPIRY_S = 1.0
 
 
 @dataclass
@@ -87,12 +89,13 @@ def write_tokenizer(model_dir: Path) -> None:
     (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
 
 
-def start_gateway(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
+def start_gateway(model_dir: Path, port: int, log_path: Path, step_ms: float) -> subprocess.Popen:
     command = [sys.executable, "-m", "bench.gateway_throughput", "--serve", "--model-dir", str(model_dir),
                "--port", str(port)]
+    env = {**os.environ, STEP_MS_ENV: str(step_ms)}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=log,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
@@ -133,36 +136,57 @@ def run_client(url: str, num_streams: int, max_tokens: int, start_at: float, sto
 async def drive_streams(url: str, num_streams: int, max_tokens: int, start_at: float,
                         stop_at: float) -> ClientResult:
     result = ClientResult()
-    limits = httpx.Limits(max_connections=num_streams, max_keepalive_connections=num_streams,
-                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as http:
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        await asyncio.gather(*(stream_until(http, max_tokens, stop_at, result) for _ in range(num_streams)))
+    body = json.dumps({"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    address = httpx.URL(url)
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}:{address.port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    await asyncio.gather(*(stream_until(address.host, address.port, request, stop_at, result)
+                           for _ in range(num_streams)))
     result.finished_at = time.monotonic()
     return result
 
 
-async def stream_until(http: httpx.AsyncClient, max_tokens: int, stop_at: float, result: ClientResult) -> None:
-    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    while time.monotonic() < stop_at:
-        events, usage = await one_stream(http, body)
-        result.requests += 1
-        result.chunks += events - 2          # less the usage chunk and [DONE]
-        result.tokens += usage["completion_tokens"]
+async def stream_until(host: str, port: int, request: bytes, stop_at: float, result: ClientResult) -> None:
+    """Streamed completions back to back on one keep-alive connection (a new one if the server closes it)."""
+    connection = None
+    try:
+        while time.monotonic() < stop_at:
+            connection = connection or await asyncio.open_connection(host, port)
+            events, usage, keep_alive = await one_stream(*connection, request)
+            result.requests += 1
+            result.chunks += events - 2          # less the usage chunk and [DONE]
+            result.tokens += usage["completion_tokens"]
+            if not keep_alive:
+                connection[1].close()
+                connection = None
+    finally:
+        if connection is not None:
+            connection[1].close()
 
 
-async def one_stream(http: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
-    """(number of SSE events, the usage of the final chunk) of one streamed completion."""
-    events, tail, previous_newline = 0, b"", False
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for data in response.aiter_raw():
-            # each event ends with "\n\n"; JSON escapes newlines inside strings, so no other "\n\n" exists
-            events += data.count(b"\n\n") + (previous_newline and data.startswith(b"\n"))
-            previous_newline = data.endswith(b"\n")
-            tail = (tail + data)[-8192:]
-    return events, usage_of(tail)
+async def one_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     request: bytes) -> tuple[int, dict, bool]:
+    """(number of SSE events, the usage of the final chunk, whether the connection stays open) of one streamed
+    completion, read as HTTP/1.1 chunked transfer coding by hand: a lighter client than httpx, so that the
+    clients' CPU stays small beside the gateway's."""
+    writer.write(request)
+    status = await reader.readline()
+    if not status.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the gateway answered {status!r}")
+    headers = b""
+    while (line := await reader.readline()) != b"\r\n":
+        headers += line.lower()
+    events, tail = 0, b""
+    while size := int((await reader.readline()).split(b";", 1)[0], 16):
+        data = (await reader.readexactly(size + 2))[:-2]
+        # the gateway writes whole events ("data: ...\n\n") one or more to an HTTP chunk; JSON escapes
+        # newlines inside strings, so no other "\n\n" exists
+        events += data.count(b"\n\n")
+        tail = (tail + data)[-8192:]
+    await reader.readline()                      # the blank line after the last chunk
+    return events, usage_of(tail), b"connection: close" not in headers
 
 
 def usage_of(tail: bytes) -> dict:
@@ -222,13 +246,13 @@ def measure(url: str, process: subprocess.Popen, args: argparse.Namespace,
     for client in clients:
         client.join()
     elapsed = max(r.finished_at for r in collected) - start_at
-    tokens = sum(r.tokens for r in collected)
+    tokens, chunks = sum(r.tokens for r in collected), sum(r.chunks for r in collected)
     gateway_cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
     return {
-        "requests": sum(r.requests for r in collected), "tokens": tokens,
-        "chunks": sum(r.chunks for r in collected),
+        "requests": sum(r.requests for r in collected), "tokens": tokens, "chunks": chunks,
         "tokens_sent_by_worker": generation_tokens_total(url) - tokens_before,
         "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
+        "chunks_per_s": round(chunks / elapsed, 1), "tokens_per_chunk": round(tokens / max(chunks, 1), 2),
         "gateway_cpu_s": round(gateway_cpu, 3),
         "tokens_per_gateway_cpu_s": round(tokens / gateway_cpu, 1) if gateway_cpu > 0 else None,
     }
@@ -240,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
         if not args.model_dir:
             write_tokenizer(model_dir)
         port = free_port()
-        process = start_gateway(model_dir, port, Path(tmp) / "gateway.log")
+        process = start_gateway(model_dir, port, Path(tmp) / "gateway.log", args.step_ms)
         try:
             url = f"http://127.0.0.1:{port}"
             gateway_cpus, other_cpus = pin(process, args.gateway_cpu)
@@ -249,19 +273,30 @@ def run(args: argparse.Namespace) -> dict:
             measured = measure(url, process, args, other_cpus)
         finally:
             stop_gateway(process)
+    offered = args.streams * 1000 / args.step_ms if args.step_ms else None
     return {"streams": args.streams, "clients": args.clients, "max_tokens": args.max_tokens,
-            "duration_s": args.duration, **measured, "goal_tokens_per_s": GOAL_TOKENS_PER_S,
+            "duration_s": args.duration, "step_ms": args.step_ms, "offered_tokens_per_s": offered, **measured,
+            "goal_tokens_per_s": GOAL_TOKENS_PER_S,
             "gateway_cpus": gateway_cpus, "client_and_worker_cpus": other_cpus, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "command": " ".join(["python -m bench.gateway_throughput",
                                                                       *args.argv])}
 
 
+def default_clients() -> int:
+    return max(2, min(8, (len(os.sched_getaffinity(0)) - 2) // 2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=64, help="concurrent SSE streams")
-    parser.add_argument("--clients", type=int, default=2, help="client processes sharing the streams")
+    parser.add_argument("--clients", type=int, default=default_clients(),
+                        help="client processes sharing the streams (default: one per two cores past the first "
+                             "two, from 2 to 8: 7 on 16 cores)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds during which requests start")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="each engine step (one token for every stream) takes at least this long, as a GPU "
+                             "decode step does; 0: as fast as the worker can go")
     parser.add_argument("--client-startup", type=float, default=2.0, help="seconds allowed for clients to start")
     parser.add_argument("--gateway-cpu", type=int, default=0,
                         help="core the gateway is pinned to (its worker and the clients get the others); "
@@ -285,8 +320,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     args.argv = argv
     args.gateway_cpu = None if args.gateway_cpu < 0 else args.gateway_cpu
     result = run(args)
-    logger.info("%d streams: %.0f tokens/s (%.0f per gateway CPU second), %d tokens in %.2f s",
-                args.streams, result["tokens_per_s"], result["tokens_per_gateway_cpu_s"] or 0, result["tokens"],
+    logger.info("%d streams: %.0f tokens/s in %.0f chunks/s (%.2f tokens a chunk; %.0f tokens per gateway CPU "
+                "second), %d tokens in %.2f s", args.streams, result["tokens_per_s"], result["chunks_per_s"],
+                result["tokens_per_chunk"], result["tokens_per_gateway_cpu_s"] or 0, result["tokens"],
                 result["elapsed_s"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -6,6 +6,8 @@ lengths uniformly in [1, L], so its "random L/L" runs are written as (1, L) here
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from bench.workloads import Workload, adapter_names
@@ -37,6 +39,28 @@ def _slora(num_adapters: int) -> Preset:
         adapter_targets="q_proj,k_proj,v_proj,o_proj")
 
 
+def _chat(shared: bool) -> Preset:
+    """Prefix caching, 32 adapters chosen uniformly; each preset run as is and with --no-enable-prefix-caching.
+    Shared: each adapter's requests begin with its own 1,000-token system prompt, then a unique user turn;
+    Poisson arrivals, for TTFT. Not shared: prompts as long with nothing in common, sent 64 at a time so the
+    server is saturated and its throughput shows what prefix caching costs when it never hits."""
+    workload = Workload(num_prompts=640, input_len=(32, 256), output_len=(64, 256), adapters=adapter_names("lora", 32),
+                        adapter_choice="uniform", request_rate=8.0, arrival="poisson", shared_prefix_len=1000)
+    if shared:
+        return Preset("chat-shared-prefix",
+                      "Chat traffic with a shared system prompt per adapter: 32 adapters chosen uniformly, 640 "
+                      "requests, Poisson at 8 req/s, each prompt its adapter's 1,000-token system prompt and a unique "
+                      "32-256 token user turn, output 64-256; compare TTFT with --no-enable-prefix-caching.",
+                      workload, server_args="--max-loras 32 --max-cpu-loras 32 --enable-prompt-tokens-details")
+    return Preset("chat-no-shared-prefix",
+                  "The overhead check of prefix caching: chat-shared-prefix's lengths with no prefix in common "
+                  "(1,032-1,256 unique tokens per prompt), 64 requests in flight; compare throughput with "
+                  "--no-enable-prefix-caching.",
+                  dataclasses.replace(workload, input_len=(1032, 1256), shared_prefix_len=0, request_rate=math.inf,
+                                      max_concurrency=64),
+                  server_args="--max-loras 32 --max-cpu-loras 32")
+
+
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset(
         "sglang-single-adapter",
@@ -64,6 +88,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _slora(8),
     _slora(100),
     _slora(1000),
+    _chat(shared=True),
+    _chat(shared=False),
     Preset(
         "moe-expert-adapters",
         "Mixture-of-experts serving with expert LoRA: 16 rank-16 adapters on attention and every expert over 8 "

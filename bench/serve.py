@@ -211,6 +211,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     add("--request-rate", type=float, help="requests per second (default inf: all at once)")
     add("--arrival", choices=ARRIVALS, help="gaps between requests: exponential (poisson) or fixed")
     add("--max-concurrency", type=int, help="requests in flight at most")
+    add("--shared-prefix-len", type=int, help="tokens of a system prompt each adapter's requests share")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
@@ -218,7 +219,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     fields: dict[str, Any] = {
         "num_prompts": args.num_prompts, "dataset_path": args.dataset_path, "vocab_size": args.vocab_size,
         "adapter_choice": args.lora_choice, "zipf_alpha": args.zipf_alpha, "request_rate": args.request_rate,
-        "arrival": args.arrival, "max_concurrency": args.max_concurrency,
+        "arrival": args.arrival, "max_concurrency": args.max_concurrency, "shared_prefix_len": args.shared_prefix_len,
         "input_len": _range(args.input_len_range, args.random_input_len, args.random_range_ratio),
         "output_len": _range(args.output_len_range, args.random_output_len, args.random_range_ratio),
         "adapters": _names(args, len(base.adapters)),

@@ -2,6 +2,12 @@
 
 A Workload is fully determined by its fields and a seed, so a preset or a command line names one
 exactly and a rerun sends the same requests. Lengths are drawn uniformly from inclusive ranges.
+
+Shared prefixes (chat traffic, prefix caching): with shared_prefix_len = 1000, every request on adapter
+`lora-3` begins with the same 1,000 random tokens, `lora-3`'s system prompt (the base model has its own),
+followed by a unique user turn of input_len tokens:
+
+    lora-3:  [system prompt of lora-3: 1000 tokens][user turn: input_len tokens, fresh per request]
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ class Workload:
     request_rate: float = math.inf              # requests per second; inf sends all at once
     arrival: str = "poisson"                    # one of ARRIVALS
     max_concurrency: int | None = None          # requests in flight at most; None: no limit
+    shared_prefix_len: int = 0                  # tokens of each adapter's system prompt, before input_len
 
     def __post_init__(self) -> None:
         for name, (low, high) in (("input", self.input_len), ("output", self.output_len)):
@@ -52,11 +59,18 @@ class Workload:
             raise ValueError(f"arrival must be one of {ARRIVALS}, got {self.arrival!r}")
         if self.request_rate <= 0:
             raise ValueError(f"request rate must be positive, got {self.request_rate}")
+        if self.shared_prefix_len < 0 or (self.shared_prefix_len and self.dataset_path):
+            raise ValueError("shared prefix length must be >= 0, and random prompts (no dataset) carry it, "
+                             f"got {self.shared_prefix_len} with dataset {self.dataset_path!r}")
 
     def requests(self, seed: int) -> list[RequestSpec]:
         rng = random.Random(seed)
         prompts = self._prompts(rng)
         adapters = choose_adapters(self.adapter_choice, self.adapters, self.num_prompts, rng, self.zipf_alpha)
+        if self.shared_prefix_len:
+            systems = {a: system_prompt(a, self.shared_prefix_len, self.vocab_size, seed) for a in set(adapters)}
+            prompts = [(systems[a] + prompt, len(systems[a]) + prompt_len, output_len)
+                       for (prompt, prompt_len, output_len), a in zip(prompts, adapters)]
         return [RequestSpec(prompt, prompt_len, output_len, adapter)
                 for (prompt, prompt_len, output_len), adapter in zip(prompts, adapters)]
 
@@ -77,6 +91,13 @@ def random_prompts(num: int, input_len: tuple[int, int], output_len: tuple[int, 
         length = rng.randint(*input_len)
         out.append(([rng.randrange(vocab_size) for _ in range(length)], length, rng.randint(*output_len)))
     return out
+
+
+def system_prompt(adapter: str | None, length: int, vocab_size: int, seed: int) -> list[int]:
+    """The random token ids every request on `adapter` (None: the base model) begins with, fixed by the seed
+    and the adapter's name alone (drawn apart from the other requests' randomness)."""
+    rng = random.Random(f"{seed}/system/{adapter}")
+    return [rng.randrange(vocab_size) for _ in range(length)]
 
 
 def jsonl_prompts(path: Path, num: int, output_len: tuple[int, int],

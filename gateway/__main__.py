@@ -94,6 +94,14 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
     add("--max-logprobs", type=int, default=20)
     add("--block-size", type=int, default=CacheConfig.block_size)
     add("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=CacheConfig.enable_prefix_caching,
+        help="reuse the KV cache of full blocks of earlier prompts under the same adapter version (default on)")
+    add("--enable-prompt-tokens-details", action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens found in the prefix cache")
+    add("--enable-auto-tool-choice", action="store_true",
+        help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
+    add("--tool-call-parser", choices=("hermes",), help="how tool calls are read from the model's output: "
+        "hermes, the <tool_call>{json}</tool_call> blocks of Hermes and Qwen models")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "half", "float"), default="auto")
     add("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
@@ -129,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         args.model = args.model or args.model_tag
         if not args.model:
             parser.error("serve needs a model: `loraplex serve --model DIR`")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     args.dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     serve(GatewayConfig.from_args(args))
 

@@ -1,6 +1,7 @@
 """The gateway's Starlette application: build_app, its lifespan, its routes and error envelopes."""
 from __future__ import annotations
 
+import gc
 import logging
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -35,6 +36,7 @@ def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = 
             logger.error("Startup failed: %s", e)
             await client.shutdown()
             raise
+        freeze_startup_heap()
         try:
             yield
         finally:
@@ -52,6 +54,14 @@ def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = 
         lifespan=lifespan)
     app.state.server = server
     return app
+
+
+def freeze_startup_heap() -> None:
+    """Leave what startup built (modules, the tokenizer, the app) out of every later garbage collection, as vLLM's
+    server does: the oldest generation's collections then walk only what serving allocates, instead of pausing
+    every stream for tens of milliseconds."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -69,6 +69,10 @@ class GatewayConfig:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     block_size: int = CacheConfig.block_size
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    enable_prompt_tokens_details: bool = False     # usage.prompt_tokens_details.cached_tokens, as vLLM's flag
+    enable_auto_tool_choice: bool = False          # tool_choice "auto": the parser reads calls from the output
+    tool_call_parser: str | None = None            # "hermes" (gateway/tool_calls.py)
     max_logprobs: int = 20
     device: str = "auto"
     dtype: str = ModelConfig.dtype
@@ -93,8 +97,9 @@ class GatewayConfig:
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
             model=ModelConfig(path=self.model, dtype=self.dtype, load_format=self.load_format,
-                              max_model_len=self.max_model_len, seed=self.seed),
-            cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization),
+                              max_model_len=self.max_model_len, seed=self.seed, tokenizer=self.tokenizer_path),
+            cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras,
                             enable_lora_overlap_loading=self.enable_lora_overlap_loading,
@@ -119,6 +124,9 @@ class GatewayConfig:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             device=args.device, dtype=args.dtype, load_format=args.load_format,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=args.seed,
             host=args.host, port=args.port,

@@ -3,11 +3,11 @@
 The `vllm:` series are those of vLLM's PrometheusStatLogger (vllm/v1/metrics/loggers.py and
 buckets.py, vLLM 0.33.0): names, types, label sets, help texts and bucket bounds, each labelled
 `model_name` and `engine="0"` (one engine). Counted per worker request (one per choice), as vLLM counts
-engine requests. The queue and KV-cache gauges and the preemption count come from the worker's latest
-Stats. Request timings are taken here as outputs arrive, with the queue time the worker reports, and
-split as vLLM splits them: queue = first scheduled - arrival, prefill = first token - first scheduled,
-decode = last token - first token, inference = last token - first scheduled, time per output token =
-decode / (generated tokens - 1).
+engine requests. The queue and KV-cache gauges, the prefix-cache queries and hits (in prompt tokens) and
+the preemption count come from the worker's latest Stats. Request timings are taken here as outputs
+arrive, with the queue time the worker reports, and split as vLLM splits them: queue = first scheduled -
+arrival, prefill = first token - first scheduled, decode = last token - first token, inference = last
+token - first scheduled, time per output token = decode / (generated tokens - 1).
 
 `loraplex:` metrics count requests and tokens per adapter, and describe the adapter tiers (GPU slots,
 host cache) with hits, misses, loads, evictions and load latency per tier, from the worker's LoRAStats.
@@ -144,11 +144,13 @@ class RequestTimer:
 
 
 class Metrics:
-    def __init__(self, model_name: str, max_loras: int, block_size: int, gpu_memory_utilization: float):
+    def __init__(self, model_name: str, max_loras: int, block_size: int, gpu_memory_utilization: float,
+                 enable_prefix_caching: bool = True):
         self.model_name = model_name
         self.max_loras = max_loras
         self.block_size = block_size
         self.gpu_memory_utilization = gpu_memory_utilization
+        self.enable_prefix_caching = enable_prefix_caching
         self.num_gpu_blocks: int | None = None     # from the worker's Ready
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -198,6 +200,10 @@ class Metrics:
                  stats.num_waiting),
                 ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
                  stats.kv_cache_usage),
+                ("vllm:prefix_cache_queries", "counter",
+                 "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+                 stats.prefix_cache_hits),
                 ("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
                  stats.num_preemptions),
                 ("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", self.prompt_tokens),
@@ -222,7 +228,8 @@ class Metrics:
     def _cache_labels(self) -> dict[str, object]:
         """vLLM's CacheConfig fields that mean something here, as str(value) (vLLM labels them all), and engine."""
         return {"block_size": self.block_size, "gpu_memory_utilization": self.gpu_memory_utilization,
-                "cache_dtype": "auto", "enable_prefix_caching": False, "num_gpu_blocks": self.num_gpu_blocks,
+                "cache_dtype": "auto", "enable_prefix_caching": self.enable_prefix_caching,
+                "num_gpu_blocks": self.num_gpu_blocks,
                 "engine": 0}
 
     def _render_adapters(self, out: list[str], stats: Stats) -> None:

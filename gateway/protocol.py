@@ -8,23 +8,22 @@ APIError, rendered as {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from worker.ipc.messages import SamplingParams
+from worker.ipc.messages import SamplingParams, StructuredOutput
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128   # choices per prompt; a guard against one request fanning out without bound
+LOGIT_BIAS_LIMIT = 100.0   # vLLM clamps each bias to [-100, 100]
 
 ERROR_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError", 413: "BadRequestError",
                415: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 # Accepted by vLLM, not implemented here: a request that sets one is refused rather than
 # silently answered without it.
-UNSUPPORTED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "tools", "structured_outputs",
-                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "suffix",
-                      "prompt_embeds", "use_beam_search", "continue_final_message", "logits_processors",
+UNSUPPORTED_FIELDS = ("suffix", "prompt_embeds", "use_beam_search", "continue_final_message", "logits_processors",
                       "chat_template", "truncate_prompt_tokens")
 
 
@@ -76,6 +75,15 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     user: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None      # gateway/structured.py reads the constraint fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:
@@ -95,9 +103,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                        index: int) -> SamplingParams:
-        """The worker's parameters for choice `index` (each choice gets its own seed)."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, index: int,
+                        bad_words_token_ids: list[list[int]] | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
+        """The worker's parameters for choice `index` (each choice gets its own seed). `bad_words_token_ids`:
+        Tokenizer.bad_words_token_ids of `bad_words`; `structured`: gateway.structured.structured_output."""
         _check(self.min_tokens <= max_tokens,
                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {self.min_tokens}.", None)
         seed = None if self.seed is None or self.seed == -1 else self.seed + index
@@ -110,7 +120,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             stop_token_ids=list(dict.fromkeys(self.stop_token_ids or [])), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words_token_ids or [],
+            structured=structured)
 
     def validate_sampling(self, max_logprobs: int, logprobs: int | None) -> None:
         """vLLM's SamplingParams checks, with its messages."""
@@ -143,6 +155,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         if self.seed is not None:
             _check(INT64_MIN <= self.seed <= INT64_MAX, f"seed must be a 64-bit integer, got {self.seed}.", "seed")
         _check(all(self.stop_strings), "stop cannot contain an empty string.", "stop")
+        _check(all(INT64_MIN <= t <= INT64_MAX for t in self.allowed_token_ids or []),
+               "allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
         _check(temperature > 0.0 or self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.", "n")
         _check_logprobs_limit("sample", logprobs, max_logprobs, "logprobs")
         _check_logprobs_limit("prompt", self.prompt_logprobs, max_logprobs, "prompt_logprobs")
@@ -175,6 +189,20 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None                    # a tool's answer: the call it answers
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it: text content; an assistant's tool calls with their arguments
+        as objects (vLLM parses them so), a tool answer's call id."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
+        return out
 
     def text(self) -> str:
         """The content as one string: text parts joined by newlines, as vLLM's "string" format."""
@@ -189,8 +217,23 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return "\n".join(texts)
 
 
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None    # gateway/tool_calls.py checks it
+    parallel_tool_calls: bool | None = True
     logprobs: bool | None = False
     top_logprobs: int | None = 0
     max_tokens: int | None = None
@@ -198,6 +241,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as JSON objects, as the chat template and the tool-call parser read them."""
+        return None if self.tools is None else msgspec.to_builtins(self.tools)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -254,11 +302,6 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
     for field in UNSUPPORTED_FIELDS:
         _check(data.get(field) in (None, False, "", [], {}),
                f"`{field}` is not supported by this server.", field)
-    response_format = data.get("response_format")
-    _check(response_format is None or isinstance(response_format, dict) and response_format.get("type") == "text",
-           "`response_format` other than {'type': 'text'} is not supported by this server.", "response_format")
-    _check(data.get("tool_choice") in (None, "none", "auto"),
-           "`tool_choice` must be 'none' or 'auto': tools are not supported by this server.", "tool_choice")
     if issubclass(type_, _GenerationRequest):
         _check_raw_generation(data)
     try:
@@ -309,6 +352,39 @@ def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
     _check(bool(token_ids), "The decoder prompt cannot be empty", "prompt")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     _check(bad is None, f"Token id {bad} is out of vocabulary", "prompt")
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    _check(isinstance(call.get("function"), dict), "Each tool call needs a `function` object.", "messages")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if not arguments:
+        function["arguments"] = {}
+    elif isinstance(arguments, str):
+        try:
+            function["arguments"] = msgspec.json.decode(arguments)
+        except msgspec.DecodeError:
+            raise APIError(f"Invalid JSON in the arguments of a tool call: {arguments!r}", param="messages") from None
+    return {**call, "function": function}
+
+
+def _logit_bias(bias: dict[str, Any] | None) -> dict[int, float] | None:
+    """Token ids from the JSON's string keys, each bias clamped to [-100, 100], as vLLM converts them."""
+    if not bias:
+        return None
+    out = {}
+    for token_id, value in bias.items():
+        try:
+            key = int(token_id)
+        except ValueError:
+            raise APIError(f"Found token_id `{token_id}` in logit_bias but token_id must be an integer or string "
+                           "representing an integer", param="logit_bias") from None
+        _check(_is_number(value), f"logit_bias values must be numbers, got {value!r} for token_id `{token_id}`.",
+               "logit_bias")
+        _check(INT64_MIN <= key <= INT64_MAX, f"token_id(s) [{key}] in logit_bias contain out-of-vocab token ids.",
+               "logit_bias")
+        out[key] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(value)))
+    return out
 
 
 def _check_logprobs_limit(kind: str, requested: int | None, max_logprobs: int, param: str) -> None:

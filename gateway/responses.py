@@ -15,9 +15,12 @@ def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(msgspec.json.encode(content), status_code, media_type="application/json")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details only when some prompt tokens were cached, as vLLM reports it
+    (with --enable-prompt-tokens-details: ServingContext.generate drops the count otherwise)."""
+    details = {"cached_tokens": cached_tokens} if cached_tokens else None
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+            "completion_tokens": completion_tokens, "prompt_tokens_details": details}
 
 
 async def collect_choices(deltas: AsyncIterator[tuple[int, Delta]], num_choices: int) -> list[Delta]:
@@ -50,8 +53,7 @@ def prompt_logprobs_field(tokenizer: Tokenizer, choice: Delta) -> list[dict[str,
 async def render_chat(server: ServingContext, messages: list, add_generation_prompt: bool,
                       add_special_tokens: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
     """Prompt token ids of a conversation, through the tokenizer's chat template (on a thread when long)."""
-    conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in messages]
+    conversation = [m.template_dict() for m in messages]
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
     size = sum(len(m["content"]) for m in conversation)
     text = await server.off_loop(size, lambda: server.tokenizer.apply_chat_template(

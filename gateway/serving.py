@@ -31,7 +31,7 @@ class ServingContext:
         self.tokenizer = tokenizer
         self.served_models = ServedModels(config.served_names, config.model, config.lora_dirs)
         self.metrics = Metrics(config.served_names[0], config.max_loras, config.block_size,
-                               config.gpu_memory_utilization)
+                               config.gpu_memory_utilization, config.enable_prefix_caching)
         self.api_key = APIKey(config.api_key) if config.api_key else None
 
     @property
@@ -104,13 +104,15 @@ class ServingContext:
         which aborts the request in the worker.
         """
         timer = self.metrics.start_request(lora_name, len(prompt_ids), params.max_tokens)
-        outputs = self.client.generate(AddRequest(request_id, prompt_ids, params, lora_name))
+        # the timer sees each worker output as it arrives, before outputs waiting together are merged
+        outputs = self.client.generate(AddRequest(request_id, prompt_ids, params, lora_name), timer.on_output)
         reason = "abort"
         try:
             async for output in outputs:
-                timer.on_output(output)
                 self._raise_if_adapter_gone(lora_name, output)
                 delta = detokenizer.update(output)
+                if not self.config.enable_prompt_tokens_details:
+                    delta.num_cached_tokens = None     # vLLM reports cached tokens only with the flag
                 reason = delta.finish_reason or reason
                 yield delta
                 if delta.finish_reason is not None:

@@ -1,13 +1,13 @@
 """Streaming to the client: Server-Sent Events, merged choice streams, disconnects.
 
 A stream is `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`. An error after the stream
-has started is sent as one `data: {"error": {...}}` event before [DONE]. When the client goes away,
-sse-starlette cancels the generator; the cancellation reaches every worker stream underneath, whose
-cleanup (closing WorkerClient.generate(), which aborts the request in the worker) runs shielded.
+has started is sent as one `data: {"error": {...}}` event before [DONE]. `EventStreamResponse` writes each
+event as it comes, straight to the ASGI `send`, beside a task that waits for the client's disconnect; on a
+disconnect it cancels the stream, and the cancellation reaches every worker stream underneath, whose cleanup
+(closing WorkerClient.generate(), which aborts the request in the worker) runs shielded.
 
-sse-starlette would also cancel every stream the moment uvicorn sees SIGTERM, cutting it mid-answer with
-no error event and no [DONE]. That is turned off here: on shutdown the server drains instead
-(WorkerClient.drain), and a stream it has to end gets an error event, then [DONE], like any other.
+On shutdown nothing cancels a stream from here: the server drains instead (WorkerClient.drain), and a
+stream it has to end gets an error event, then [DONE], like any other.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
 import msgspec
-from sse_starlette import EventSourceResponse
-from sse_starlette.sse import AppStatus
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.protocol import APIError
 
@@ -29,17 +29,45 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 _END = object()
-
-AppStatus.disable_automatic_graceful_drain()
+_encode = msgspec.json.Encoder().encode
+# What sse-starlette sent, which clients and proxies have seen from this server: no caching, no buffering.
+SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
 
 
 def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+    return b"data: " + _encode(payload) + b"\n\n"
 
 
-def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
+def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> EventStreamResponse:
     """Stream `chunks` as SSE events, then [DONE]."""
-    return EventSourceResponse(_events(chunks), sep="\n")
+    return EventStreamResponse(_events(chunks))
+
+
+class EventStreamResponse(StreamingResponse):
+    """`text/event-stream` of pre-encoded events; a client that disconnects cancels the stream."""
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        super().__init__(events, headers=SSE_HEADERS, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async with anyio.create_task_group() as group:
+            group.start_soon(_cancel_on_disconnect, receive, group.cancel_scope)
+            events = self.body_iterator
+            try:
+                async for data in events:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await events.aclose()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            group.cancel_scope.cancel()
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 async def _events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

@@ -68,6 +68,18 @@ class Tokenizer:
             return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
+    def bad_words_token_ids(self, words: list[str] | None) -> list[list[int]]:
+        """vLLM's bad_words as token sequences: each word as is (left-stripped), and with a leading space
+        when that gives another first token and as many tokens (the word in the middle of a text)."""
+        sequences = []
+        for word in words or ():
+            ids = self.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences += [ids] if ids else []
+            if spaced and (not ids or spaced[0] != ids[0] and len(spaced) == len(ids)):
+                sequences.append(spaced)
+        return sequences
+
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (a partial UTF-8 sequence reads as U+FFFD), for logprobs."""
         text = self._token_texts.get(token_id)
@@ -100,6 +112,7 @@ class Delta:
     stop_reason: int | str | None = None
     error: str | None = None
     status_code: int | None = None     # with an error: the HTTP status the worker gave it (None: 500)
+    num_cached_tokens: int | None = None   # prompt tokens the prefix cache held; on a choice's first delta
 
     def extend(self, later: Delta) -> None:
         """Append a later delta of the same choice (to build a whole, non-streamed choice)."""
@@ -111,6 +124,8 @@ class Delta:
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.finish_reason, self.stop_reason, self.error = later.finish_reason, later.stop_reason, later.error
         self.status_code = later.status_code
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = later.num_cached_tokens
 
 
 class IncrementalDetokenizer:
@@ -140,7 +155,8 @@ class IncrementalDetokenizer:
         if output.finish_reason == "stop" and not self._include_stop and text_ids:
             text_ids = text_ids[:-1]
         text, stop_string = self._release(self._decode(text_ids, flush=finished), final=finished)
-        delta = Delta(text, output.new_token_ids, output.new_logprobs, output.prompt_logprobs)
+        delta = Delta(text, output.new_token_ids, output.new_logprobs, output.prompt_logprobs,
+                      num_cached_tokens=output.num_cached_tokens)
         if stop_string is not None:
             delta.finish_reason, delta.stop_reason = "stop", stop_string
         elif finished:

@@ -17,14 +17,15 @@ import itertools
 import logging
 import multiprocessing
 from multiprocessing.process import BaseProcess
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 
+from gateway.output_collector import OutputCollector
 from worker.__main__ import run_worker
 from worker.config import WorkerConfig
-from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, Ready,
-                                 RequestOutput, Shutdown, StartupFailed, Stats, ToGateway)
+from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, OutputBatch,
+                                 Ready, RequestOutput, Shutdown, StartupFailed, Stats, ToGateway)
 from worker.ipc.shm_ring import ShmRing
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class WorkerClient:
         self._death_message = "The worker process is not running."
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToGateway)
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, OutputCollector] = {}
         self._commands: dict[int, asyncio.Future[AdapterCommandResult]] = {}
         self._command_ids = itertools.count()
         self._backlog: collections.deque[tuple[bytes, asyncio.Future[None]]] = collections.deque()
@@ -106,8 +107,11 @@ class WorkerClient:
             raise
         return self.ready
 
-    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
-        """Submit `request` and yield its outputs until the finished one; stopping early aborts it."""
+    async def generate(self, request: AddRequest, on_output: Callable[[RequestOutput], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Submit `request` and yield its outputs until the finished one (those that arrive while the caller is
+        busy come merged into one: OutputCollector); stopping early aborts it. `on_output` sees every output
+        from the worker as it arrives, unmerged."""
         request_id = request.request_id
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already in flight.")
@@ -117,13 +121,13 @@ class WorkerClient:
         if not self._alive:
             yield self._error_output(request_id)
             return
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = OutputCollector(self._loop, on_output)
         self._queues[request_id] = queue
         finished = False
         try:
             await self._send_in_order(request)
             while not finished:
-                output = await queue.get()
+                output = await queue.take()
                 finished = output.finished
                 yield output
         finally:
@@ -166,7 +170,7 @@ class WorkerClient:
         if self._queues:
             logger.warning("Ending %d request(s) still in flight: the shutdown timeout passed.", len(self._queues))
         for request_id, queue in self._queues.items():
-            queue.put_nowait(_shutting_down_output(request_id))
+            queue.put(_shutting_down_output(request_id))
             self.abort(request_id)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -222,10 +226,12 @@ class WorkerClient:
 
     def _dispatch(self, message: ToGateway) -> None:
         match message:
-            case RequestOutput():
-                queue = self._queues.get(message.request_id)
-                if queue is not None:
-                    queue.put_nowait(message)
+            case OutputBatch():
+                queues = self._queues
+                for output in message.outputs:
+                    queue = queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put(output)
             case Stats():
                 self.stats = message
             case AdapterCommandResult():
@@ -249,7 +255,7 @@ class WorkerClient:
         self._alive = False
         self._release_rings()
         for request_id, queue in self._queues.items():
-            queue.put_nowait(self._error_output(request_id))
+            queue.put(self._error_output(request_id))
         for command_id, future in self._commands.items():
             if not future.done():
                 future.set_result(AdapterCommandResult(command_id, ok=False, message=self._death_message,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
-#   [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync] [hf]
+#   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
+#   [serve-prefix] [hf] [gateway]
 # Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -27,7 +28,7 @@ serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the dummy server
     "${server_args[@]}" "${extra[@]}" >> "$OUT/serve.log" 2>&1 &
   local pid=$!
   for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
-  timeout ${SERVE_TIMEOUT:-200} python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress \
+  timeout ${SERVE_TIMEOUT:-200} python3 -m bench.serve --base-url http://127.0.0.1:8100 --preset "$name" --no-plots --no-progress ${SERVE_ARGS:-} \
     --out "$OUT/$name$suffix.json" >> "$OUT/serve.log" 2>&1
   local rc=$?
   echo "preset $name$suffix: rc=$rc" >> "$OUT/serve.log"
@@ -47,6 +48,8 @@ for stage in $stages; do
     floor)   # the memory floor and graph-mode decode steps only: beside the serving presets in one run
              timeout 120 python3 -m bench.decode_step --modes graphs --out "$OUT/decode_floor.json" > "$OUT/floor.log" 2>&1 ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
+    structured)   # a decode step with a quarter of the batch constrained (JSON schema) against none, 8B shape
+             timeout 400 python3 -m bench.structured_step --out "$OUT/structured.json" > "$OUT/structured.log" 2>&1 ;;
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
     replay-check)   # the batch-32, 32-adapter graph replayed back to back, one variant per process
              # BURST: replays between syncs (default 1); REPLAY_VARIANTS: which variants, in order
@@ -90,11 +93,27 @@ for stage in $stages; do
                serve_preset $preset -sync --no-async-scheduling || failed=1
              done
              (exit $failed) ;;
+    serve-prefix)   # prefix caching: the chat preset's TTFT and the no-shared-prefix throughput, caching on and off
+             failed=0
+             for preset in chat-shared-prefix chat-no-shared-prefix; do
+               SERVE_TIMEOUT=420 serve_preset $preset || failed=1
+               SERVE_TIMEOUT=420 serve_preset $preset -nocache --no-enable-prefix-caching || failed=1
+             done
+             (exit $failed) ;;
     hf)      python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters --num 6 --rank 16 > /dev/null 2>&1
              timeout 200 python3 -m bench.hf_baseline --model $MODEL --load-format dummy --lora-dir /tmp/adapters \
                --preset sglang-multi-adapter --num-prompts 64 --random-input-len 256 --random-output-len 32 \
                --batch-size 32 --no-plots \
                --out "$OUT/hf_baseline.json" >> "$OUT/serve.log" 2>&1 ;;
+    gateway)   # the gateway with its stand-in worker (no GPU): 256 and 512 streams free-running, 512 at 8 ms steps
+             failed=0
+             for run in "256 0 256" "512 0 256" "512 8 128"; do
+               read -r streams step_ms max_tokens <<< "$run"
+               timeout 150 python3 -m bench.gateway_throughput --streams $streams --step-ms $step_ms \
+                 --max-tokens $max_tokens --duration 10 --out "$OUT/gateway_throughput-$streams-${step_ms}ms.json" \
+                 >> "$OUT/gateway.log" 2>&1 || failed=1
+             done
+             (exit $failed) ;;
     loading) timeout 360 python3 -m bench.lora_loading --out "$OUT/lora_loading.json" > "$OUT/loading.log" 2>&1 ;;
     loading-rate32)   # the same adapters and traffic at twice the arrival rate
              timeout 360 python3 -m bench.lora_loading --rate 32 --out "$OUT/lora_loading_rate32.json" \

@@ -21,7 +21,8 @@ def imported_after(module: str) -> set[str]:
 
 @pytest.mark.parametrize("module", ["worker.scheduler.scheduler", "worker.lora.prefetcher",
                                     "worker.lora.slot_table", "worker.lora.host_cache",
-                                    "worker.kv_cache.block_allocator", "worker.batch"])
+                                    "worker.kv_cache.block_allocator", "worker.kv_cache.prefix_cache",
+                                    "worker.batch"])
 def test_bookkeeping_imports_no_model_code_and_no_torch(module):
     model_code = sorted(m for m in imported_after(module)
                         if m == "torch" or m.startswith(("worker.layers", "worker.kernels", "worker.models",

@@ -18,8 +18,8 @@ import msgspec
 
 from worker.config import WorkerConfig
 from worker.engine_interface import EngineInterface
-from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, Ready,
-                                 RequestOutput, Shutdown, StartupFailed, Stats, ToWorker)
+from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, OutputBatch,
+                                 Ready, RequestOutput, Shutdown, StartupFailed, Stats, ToWorker)
 from worker.ipc.shm_ring import ShmRing, ShmRingHandle
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,23 @@ class Worker:
         self._decoder = msgspec.msgpack.Decoder(ToWorker)
         self._stats: Stats | None = None
         self._unnotified = False
+        self._max_batch_bytes = outbound.capacity // 4     # a larger step is split, so a frame always fits
 
     def send(self, message: msgspec.Struct) -> None:
         """Put one message on the outbound ring, waiting for space while it is full."""
-        frame = self._encoder.encode(message)
+        self._put(self._encoder.encode(message))
+
+    def send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs as one OutputBatch, or as several when one frame would take too much of the ring."""
+        frame = self._encoder.encode(OutputBatch(outputs))
+        if len(frame) > self._max_batch_bytes and len(outputs) > 1:
+            half = len(outputs) // 2
+            self.send_outputs(outputs[:half])
+            self.send_outputs(outputs[half:])
+        elif outputs:
+            self._put(frame)
+
+    def _put(self, frame: bytes) -> None:
         while not self._outbound.try_put(frame, notify=False):
             self._outbound.notify()
             self._block_on(self._outbound)
@@ -70,8 +83,7 @@ class Worker:
                 if not self._handle(engine, self._decoder.decode(frame)):
                     return
             if engine.has_unfinished():
-                for output in engine.step():
-                    self.send(output)
+                self.send_outputs(engine.step())
             self._send_stats_if_changed(engine)
             self.flush()
             if not engine.has_unfinished():
@@ -89,7 +101,7 @@ class Worker:
             case AbortRequest():
                 output = engine.abort_request(message.request_id)
                 if output is not None:
-                    self.send(output)
+                    self.send_outputs([output])
             case AdapterCommand():
                 self.send(self._adapter_command(engine, message))
             case Shutdown():
@@ -102,9 +114,9 @@ class Worker:
         except Exception as e:
             if not (isinstance(e, ValueError) or hasattr(e, "status_code")):
                 raise
-            self.send(RequestOutput(request.request_id, [], finish_reason="error", error=str(e),
-                                    status_code=getattr(e, "status_code", 400),
-                                    num_prompt_tokens=len(request.prompt_token_ids)))
+            self.send_outputs([RequestOutput(request.request_id, [], finish_reason="error", error=str(e),
+                                             status_code=getattr(e, "status_code", 400),
+                                             num_prompt_tokens=len(request.prompt_token_ids))])
 
     def _adapter_command(self, engine: EngineInterface, command: AdapterCommand) -> AdapterCommandResult:
         if command.op not in ("load", "unload", "list"):
@@ -129,7 +141,7 @@ class Worker:
     def _send_stats_if_changed(self, engine: EngineInterface) -> None:
         stats = Stats(engine.num_running, engine.num_waiting, list(engine.running_adapter_names()),
                       list(engine.waiting_adapter_names()), engine.lora_stats(), engine.kv_cache_usage,
-                      engine.num_preemptions)
+                      engine.num_preemptions, engine.prefix_cache_queries, engine.prefix_cache_hits)
         if stats != self._stats:
             self.send(stats)
             self._stats = stats

@@ -16,6 +16,7 @@ class ModelConfig:
     load_format: str = "auto"        # auto | dummy (random weights from config.json alone)
     max_model_len: int | None = None  # None: the model's own max_position_embeddings
     seed: int = 0
+    tokenizer: str | None = None     # the tokenizer grammars are compiled for; None: `path`
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default: cpu_kv_cache_bytes
     cpu_kv_cache_bytes: int = 256 << 20
     num_blocks_override: int | None = None  # tests: an exact pool size
+    enable_prefix_caching: bool = True      # reuse the KV of full blocks of earlier prompts (per adapter)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.models.hf_config import ArchConfig
 from worker.request import Request
 from worker.scheduler.scheduler import Scheduler
+from worker.structured.structured_outputs import StructuredOutputs
 from worker.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -84,14 +85,18 @@ class Engine:
                                  max_reads=2 * lora.lora_load_workers)
                       if lora.enable_lora_overlap_loading else None)
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher)
+        self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher,
+                                   enable_prefix_caching=config.cache.enable_prefix_caching)
         self.adapters = AdapterRegistry(lora, self.arch, slots, host_cache, loader)
         self.loads = AdapterLoads(loader, host_cache, self.runner.lora_pool, slots, self.adapters)
+        self.structured = StructuredOutputs(config.model.tokenizer or config.model.path, self.vocab_size,
+                                            self.eos_token_ids, self.device)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
         self._arrivals = itertools.count()
-        logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads", self.arch.architecture,
-                    self.device, self.dtype, self.num_kv_blocks,
-                    "overlapped" if prefetcher is not None else "blocking")
+        logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads, prefix caching %s",
+                    self.arch.architecture, self.device, self.dtype, self.num_kv_blocks,
+                    "overlapped" if prefetcher is not None else "blocking",
+                    "on" if config.cache.enable_prefix_caching else "off")
 
     # adapters
 
@@ -122,18 +127,21 @@ class Engine:
         ref = None if lora_name is None else self.adapters.acquire(lora_name)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), ref,
                           tuple(self.eos_token_ids), self.max_model_len)
-        self.scheduler.add_request(request)
+        if params.structured is not None:
+            self.structured.hold(request)      # queued once its grammar compiles (off the step loop)
+        else:
+            self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now, freeing its KV blocks and adapter reference; None if it is unknown."""
-        request = self.scheduler.abort_request(request_id)
+        request = self.scheduler.abort_request(request_id) or self.structured.drop(request_id)
         if request is None:
             return None
         self._forget(request)
         return RequestOutput(request_id, [], finish_reason="abort", num_prompt_tokens=request.num_prompt_tokens)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.structured.num_compiling > 0
 
     @property
     def num_running(self) -> int:
@@ -141,7 +149,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        return self.scheduler.num_waiting + self.structured.num_compiling
 
     @property
     def kv_cache_usage(self) -> float:
@@ -150,6 +158,14 @@ class Engine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.scheduler.blocks.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.scheduler.blocks.hits
 
     def running_adapter_names(self) -> list[str]:
         return sorted({r.adapter.name for r in self.scheduler.running if r.adapter})
@@ -165,18 +181,19 @@ class Engine:
         With async scheduling, the batch is launched while the previous one may still run on the
         device, and the previous batch's tokens are read back after that launch: the host schedules
         and prepares step N+1 while the device computes step N, and step() returns step N's tokens.
-        When nothing can run while an adapter load is in flight, waits for the load (up to
-        IDLE_LOAD_WAIT_S) instead of returning empty-handed at once."""
+        When nothing can run while an adapter load or a grammar compile is in flight, waits for it (up to
+        IDLE_LOAD_WAIT_S) instead of returning empty-handed at once. A batch with a constrained row files the
+        previous step's tokens between its forward pass and its sampling (_execute)."""
         outputs: list[RequestOutput] = []
         deadline = time.monotonic() + IDLE_LOAD_WAIT_S
         while (batch := self._schedule(outputs)).is_empty:
             if self._in_flight is not None:
                 outputs += self._file_tokens()   # nothing can run beside it; its tokens may make room
-            elif not self.loads.wait(deadline):
+            elif not (self.structured.wait(deadline - time.monotonic()) or self.loads.wait(deadline)):
                 return outputs
         self.loads.join(batch.lora_slots)
         prev = None if self._in_flight is None else self._in_flight[1]
-        launched = (batch, self.runner.execute(batch, prev))
+        launched = (batch, self._execute(batch, prev, outputs))
         outputs += self._launched(batch)
         if self._in_flight is not None:
             outputs += self._file_tokens()
@@ -185,10 +202,22 @@ class Engine:
             outputs += self._file_tokens()
         return outputs
 
+    def _execute(self, batch: ScheduledBatch, prev: StepHandle | None, outputs: list[RequestOutput]) -> StepHandle:
+        """Launch the batch. With a constrained row, the forward pass is launched first; then, if such a row's
+        last token is still in flight, that step's tokens are filed (the grammar needs them: for this batch
+        alone, the host waits for the device) and the matchers fill the bitmask the sampler applies."""
+        if not self.structured.constrained_rows(batch):
+            return self.runner.execute(batch, prev)
+        handle = self.runner.forward(batch, prev)
+        if self._in_flight is not None and self.structured.needs_filed_tokens(batch):
+            outputs += self._file_tokens()
+        return self.runner.sample(handle, batch, self.structured.bitmask(batch))
+
     def _schedule(self, outputs: list[RequestOutput]) -> ScheduledBatch:
         """File the adapter loads that finished, schedule, and issue the batch's loads. An empty batch is
         filed as launched at once (every schedule() is followed by launched())."""
         outputs += self._fail_loads(self.loads.collect())
+        outputs += self._admit_compiled()
         batch = self.scheduler.schedule()
         outputs += self._fail_loads(self.loads.issue(batch.adapter_loads), batch)
         if batch.is_empty:
@@ -218,6 +247,18 @@ class Engine:
         for request in updated:
             if request.is_finished:
                 self._forget(request)
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar compiled; answer the others (a spec xgrammar refused: 400)."""
+        compiled, failed = self.structured.ready()
+        for request in compiled:
+            self.scheduler.add_request(request)
+        outputs = []
+        for request, message, status in failed:
+            self._forget(request)
+            outputs.append(RequestOutput(request.request_id, [], finish_reason="error", error=message,
+                                         status_code=status, num_prompt_tokens=request.num_prompt_tokens))
         return outputs
 
     def _fail_loads(self, failed: list[FailedLoad], batch: ScheduledBatch | None = None) -> list[RequestOutput]:
@@ -253,9 +294,11 @@ class Engine:
                              new_logprobs=None if lp is None else [lp], prompt_logprobs=prompt_lps,
                              finish_reason=request.finish_reason, stop_reason=request.stop_reason,
                              num_prompt_tokens=request.num_prompt_tokens,
-                             queue_time=request.queue_time if first else None)
+                             queue_time=request.queue_time if first else None,
+                             num_cached_tokens=request.num_cached_tokens if first else None)
 
     def _forget(self, request: Request) -> None:
-        """A finished request gives back its reference on its adapter's version."""
+        """A finished request gives back its reference on its adapter's version, and its grammar matcher."""
+        self.structured.forget(request.request_id)
         if request.adapter is not None:
             self.adapters.release(request.adapter)

@@ -56,6 +56,16 @@ class EngineInterface(Protocol):
     def num_preemptions(self) -> int:
         """Requests preempted (their KV dropped, to be recomputed) since the engine started."""
 
+    @property
+    @abstractmethod
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since the engine started (0: no prefix cache)."""
+
+    @property
+    @abstractmethod
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens found cached."""
+
     @abstractmethod
     def running_adapter_names(self) -> list[str]:
         """Adapters of the running requests, sorted."""

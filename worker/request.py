@@ -40,6 +40,11 @@ class Request:
     num_pending: int = 0
     pending_row: int = -1
     block_ids: list[int] = field(default_factory=list)   # owned by the scheduler's block allocator
+    # prefix caching (set by the scheduler): keys of the full blocks of known tokens (kv_cache/prefix_cache.py),
+    # how many of block_ids are findable in the cache, and the prompt tokens found cached at first admission
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_cached_tokens: int | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_preemptions: int = 0

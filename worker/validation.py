@@ -19,6 +19,25 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
         raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, your "
                          f"request has {n} input tokens. Please reduce the length of the input messages.")
     _validate_params(params)
+    validate_token_fields(params, vocab_size)
+
+
+def validate_token_fields(p: SamplingParams, vocab_size: int) -> None:
+    """logit_bias, allowed_token_ids and bad words name tokens of the vocabulary (vLLM's messages)."""
+    bad = sorted(t for t in p.logit_bias or {} if not 0 <= t < vocab_size)
+    if bad:
+        raise ValueError(f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                         f"Vocabulary size: {vocab_size}")
+    if p.allowed_token_ids is not None:
+        if not p.allowed_token_ids:
+            raise ValueError("allowed_token_ids is not None and empty!")
+        if not all(0 <= t < vocab_size for t in p.allowed_token_ids):
+            raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+    bad = [t for word in p.bad_words_token_ids for t in word if not 0 <= t < vocab_size]
+    if bad or any(not word for word in p.bad_words_token_ids):
+        raise ValueError(f"The model vocabulary size is {vocab_size}, but the following tokens were specified "
+                         f"as bad: {bad}. All token id values should be integers satisfying: "
+                         f"0 <= token_id < {vocab_size}.")
 
 
 def _validate_params(p: SamplingParams) -> None:

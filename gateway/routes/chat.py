@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the chat template renders the messages into one prompt, sampled n times.
 
 Streams as vLLM does: a first chunk per choice with only the role, then content deltas, the finish
-reason on the last delta, and with include_usage a final chunk of usage and no choices.
+reason on the last delta, and with include_usage a final chunk of usage and no choices. With tools, the
+output is read as tool calls (gateway/tool_calls.py): `message.tool_calls`, streamed as `delta.tool_calls`.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.protocol import ChatCompletionRequest, resolve_max_tokens
-from gateway.responses import (collect_choices, json_response, prompt_logprobs_field, raise_if_failed, render_chat,
-                               usage)
+from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, render_chat, usage
 from gateway.serving import ServingContext
 from gateway.sse import cancel_on_disconnect, merge, sse_response
+from gateway.structured import checked_start, structured_output, uses_token_constraints
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
+from gateway.tool_calls import PARSERS, ToolCallStream, ToolChoice
 from worker.ipc.messages import TokenLogprob
 
 
@@ -27,16 +29,22 @@ async def create_chat_completion(request: Request) -> Response:
     body = await server.read_json(request, ChatCompletionRequest)
     lora_name = server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.num_logprobs)
+    tools = ToolChoice.from_request(body.tool_dicts, body.tool_choice, body.parallel_tool_calls,
+                                    server.config.enable_auto_tool_choice and server.config.tool_call_parser in PARSERS)
+    template_kwargs = {**({"tools": body.tool_dicts} if body.tools else {}), **(body.chat_template_kwargs or {})}
     prompt_ids = await render_chat(server, body.messages, body.add_generation_prompt, body.add_special_tokens,
-                             body.chat_template_kwargs)
+                                   template_kwargs)
     requested, param = body.max_output_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), server.max_model_len, param)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    structured = tools.constraint() or structured_output(body)   # a tool's schema wins, as in vLLM
+    bad_words = server.tokenizer.bad_words_token_ids(body.bad_words)
     streams = []
     for index in range(body.n):
-        params = body.sampling_params(max_tokens, body.num_logprobs, body.prompt_logprobs, index)
+        params = body.sampling_params(max_tokens, body.num_logprobs, body.prompt_logprobs, index, bad_words,
+                                      structured)
         detokenizer = IncrementalDetokenizer(server.tokenizer, prompt_ids, stop=body.stop_strings,
-                                             skip_special_tokens=body.skip_special_tokens,
+                                             skip_special_tokens=body.skip_special_tokens and tools.mode != "auto",
                                              include_stop_str_in_output=body.include_stop_str_in_output)
         streams.append(server.generate(f"{response_id}-{index}", prompt_ids, params, lora_name, detokenizer))
     deltas = merge(streams)
@@ -45,29 +53,42 @@ async def create_chat_completion(request: Request) -> Response:
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
     if body.stream:
         header["object"] = "chat.completion.chunk"
-        return sse_response(_chunks(server.tokenizer, body, prompt_ids, role, deltas, header))
+        if structured is not None or uses_token_constraints(body):
+            deltas = await checked_start(deltas)
+        return sse_response(_chunks(server.tokenizer, body, tools, prompt_ids, role, deltas, header))
     choices = await cancel_on_disconnect(request, collect_choices(deltas, body.n))
     if choices is None:
         return Response(status_code=499)
-    return json_response(_response(server.tokenizer, body, prompt_ids, role, choices, header))
+    return json_response(_response(server.tokenizer, body, tools, prompt_ids, role, choices, header))
 
 
-def _response(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids: list[int], role: str,
+def _message(tools: ToolChoice, role: str, choice: Delta) -> tuple[dict[str, Any], str | None]:
+    """A whole choice's message, and its finish reason ("tool_calls" when "auto" found calls, as vLLM says)."""
+    if not tools.parses_output:
+        return {"role": role, "content": choice.text}, choice.finish_reason
+    content, calls = tools.parse(choice.text)
+    finish = "tool_calls" if tools.mode == "auto" and calls else choice.finish_reason
+    return {"role": role, "content": content, "tool_calls": [c.as_dict() for c in calls]}, finish
+
+
+def _response(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: ToolChoice, prompt_ids: list[int], role: str,
               choices: list[Delta], header: dict[str, Any]) -> dict[str, Any]:
     raise_if_failed(*choices)
-    out = [{"index": index, "message": {"role": role, "content": choice.text},
+    messages = [_message(tools, role, choice) for choice in choices]
+    out = [{"index": index, "message": messages[index][0],
             "logprobs": _logprobs(tokenizer, body, choice),
-            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+            "finish_reason": messages[index][1], "stop_reason": choice.stop_reason,
             "token_ids": choice.token_ids if body.return_token_ids else None}
            for index, choice in enumerate(choices)]
     completion_tokens = sum(len(c.token_ids) for c in choices)
     prompt_logprobs = prompt_logprobs_field(tokenizer, choices[0]) if body.prompt_logprobs is not None else None
-    return {**header, "choices": out, "usage": usage(len(prompt_ids), completion_tokens),
+    return {**header, "choices": out, "usage": usage(len(prompt_ids), completion_tokens, choices[0].num_cached_tokens),
             "prompt_logprobs": prompt_logprobs, "prompt_token_ids": prompt_ids if body.return_token_ids else None}
 
 
-async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids: list[int], role: str,
-                  deltas: AsyncIterator[tuple[int, Delta]], header: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: ToolChoice, prompt_ids: list[int],
+                  role: str, deltas: AsyncIterator[tuple[int, Delta]],
+                  header: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     for index in range(body.n):
         chunk = {**header, "choices": [{"index": index, "delta": {"role": role, "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
@@ -77,14 +98,18 @@ async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids:
             chunk["usage"] = usage(len(prompt_ids), 0)
         yield chunk
     generated = [0] * body.n
+    cached = None           # the first choice's cached prompt tokens reach the final usage, as in vLLM
+    calls = [tools.stream() for _ in range(body.n)]
     async for index, delta in deltas:
         generated[index] += len(delta.token_ids)
+        cached = delta.num_cached_tokens if cached is None else cached
         raise_if_failed(delta)
         logprobs = _logprobs(tokenizer, body, delta)
-        if not (delta.text or (logprobs and logprobs["content"]) or delta.finish_reason or body.return_token_ids):
+        message, finish_reason = _delta_message(calls[index], delta)
+        if not (message or (logprobs and logprobs["content"]) or delta.finish_reason or body.return_token_ids):
             continue
-        choice = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs,
-                  "finish_reason": delta.finish_reason}
+        choice = {"index": index, "delta": message or {"content": ""}, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
         if delta.finish_reason is not None:
             choice["stop_reason"] = delta.stop_reason
         if body.return_token_ids:
@@ -94,7 +119,23 @@ async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, prompt_ids:
             chunk["usage"] = usage(len(prompt_ids), generated[index])
         yield chunk
     if body.include_usage:
-        yield {**header, "choices": [], "usage": usage(len(prompt_ids), sum(generated))}
+        yield {**header, "choices": [], "usage": usage(len(prompt_ids), sum(generated), cached)}
+
+
+def _delta_message(calls: ToolCallStream, delta: Delta) -> tuple[dict[str, Any], str | None]:
+    """A streamed delta's message ({} when it has nothing to say) and finish reason, tool calls read out."""
+    if not calls.choice.parses_output:
+        return ({"content": delta.text} if delta.text else {}), delta.finish_reason
+    content, tool_calls = calls.feed(delta.text)
+    finish = delta.finish_reason
+    if finish is not None:
+        more_content, more_calls = calls.finish()
+        content, tool_calls = content + more_content, tool_calls + more_calls
+        finish = "tool_calls" if calls.choice.mode == "auto" and calls.num_calls else finish
+    message = {"content": content} if content else {}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message, finish
 
 
 def _logprobs(tokenizer: Tokenizer, body: ChatCompletionRequest, choice: Delta) -> dict[str, Any] | None:

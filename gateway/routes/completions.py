@@ -17,6 +17,7 @@ from gateway.protocol import CompletionRequest, resolve_max_tokens
 from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, usage
 from gateway.serving import ServingContext
 from gateway.sse import cancel_on_disconnect, merge, sse_response
+from gateway.structured import checked_start, structured_output, uses_token_constraints
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import SamplingParams, TokenLogprob
 
@@ -40,6 +41,8 @@ async def create_completion(request: Request) -> Response:
     deltas = merge([_choice_stream(server, body, job, lora_name, response_id) for job in jobs])
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model}
     if body.stream:
+        if uses_token_constraints(body):
+            deltas = await checked_start(deltas)
         return sse_response(_chunks(server.tokenizer, body, jobs, deltas, header))
     choices = await cancel_on_disconnect(request, collect_choices(deltas, len(jobs)))
     if choices is None:
@@ -52,12 +55,14 @@ async def _jobs(server: ServingContext, body: CompletionRequest) -> list[Job]:
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:
         prompt_logprobs = body.logprobs
+    structured = structured_output(body)
+    bad_words = server.tokenizer.bad_words_token_ids(body.bad_words)
     for prompt in body.prompt_inputs():
         ids = await server.encode_prompt(prompt, body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_model_len)
         text = prompt if isinstance(prompt, str) else await server.decode(ids, skip_special_tokens=False)
         for sample in range(body.n):
-            params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, sample)
+            params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, sample, bad_words, structured)
             jobs.append(Job(len(jobs), ids, text, params))
     return jobs
 
@@ -88,7 +93,9 @@ def _response(tokenizer: Tokenizer, body: CompletionRequest, jobs: list[Job], ch
                     else None,
                     "prompt_token_ids": job.prompt_ids if body.return_token_ids else None})
     completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {**header, "choices": out, "usage": usage(_prompt_tokens(body, jobs), completion_tokens)}
+    # vLLM reports the cached prompt tokens of the last prompt
+    return {**header, "choices": out, "usage": usage(_prompt_tokens(body, jobs), completion_tokens,
+                                                     choices[-1].num_cached_tokens)}
 
 
 async def _chunks(tokenizer: Tokenizer, body: CompletionRequest, jobs: list[Job],
@@ -96,10 +103,12 @@ async def _chunks(tokenizer: Tokenizer, body: CompletionRequest, jobs: list[Job]
     generated = [0] * len(jobs)
     text_offsets = [0] * len(jobs)
     started = [False] * len(jobs)
+    cached = None           # the first cached-token count to arrive reaches the final usage, as in vLLM
     async for index, delta in deltas:
         job, first = jobs[index], not started[index]
         started[index] = True
         generated[index] += len(delta.token_ids)
+        cached = delta.num_cached_tokens if cached is None else cached
         raise_if_failed(delta)
         text, logprobs = delta.text, None
         if first and body.echo:
@@ -121,7 +130,7 @@ async def _chunks(tokenizer: Tokenizer, body: CompletionRequest, jobs: list[Job]
             chunk["usage"] = usage(len(job.prompt_ids), generated[index])
         yield chunk
     if body.include_usage:
-        yield {**header, "choices": [], "usage": usage(_prompt_tokens(body, jobs), sum(generated))}
+        yield {**header, "choices": [], "usage": usage(_prompt_tokens(body, jobs), sum(generated), cached)}
 
 
 def _scored_tokens(body: CompletionRequest, job: Job, delta: Delta) -> tuple[list[int], list[TokenLogprob | None]]:

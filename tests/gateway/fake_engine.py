@@ -116,6 +116,14 @@ class FakeEngine(EngineInterface):
     def num_preemptions(self) -> int:
         return 0
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        return 0
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return 0
+
     def running_adapter_names(self) -> list[str]:
         return sorted({r.lora_name for r in self._running.values() if r.lora_name is not None})
 

@@ -76,11 +76,14 @@ class FakeWorkerClient:
         self.warm_loads += [name] if warm else []
         return self.adapter_results.get(name, AdapterCommandResult(len(self.adapter_commands), ok=True))
 
-    async def generate(self, request: AddRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: AddRequest, on_output: Callable[[RequestOutput], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; `on_output` sees each one first, as WorkerClient's sees them arrive."""
+        observe = on_output or (lambda output: None)
         self.requests.append(request)
         if self.error is not None:
-            yield RequestOutput(request.request_id, [], finish_reason="error", error=self.error,
-                                status_code=self.error_status)
+            yield _observed(observe, RequestOutput(request.request_id, [], finish_reason="error", error=self.error,
+                                                   status_code=self.error_status))
             return
         tokens, finish, stop_reason = self._tokens(request)
         finished = False
@@ -90,12 +93,12 @@ class FakeWorkerClient:
                 part = tokens[start:start + self.chunk]
                 last = start + self.chunk >= len(tokens)
                 finished = last
-                yield RequestOutput(
+                yield _observed(observe, RequestOutput(
                     request.request_id, part, new_logprobs=self._logprobs(request, part, start),
                     prompt_logprobs=self._prompt_logprobs(request) if start == 0 else None,
                     finish_reason=finish if last else None, stop_reason=stop_reason if last else None,
                     num_prompt_tokens=len(request.prompt_token_ids),
-                    queue_time=self.queue_time if start == 0 else None)
+                    queue_time=self.queue_time if start == 0 else None))
         finally:
             if not finished:
                 self.aborted.append(request.request_id)
@@ -129,3 +132,8 @@ class FakeWorkerClient:
 
 def _entry(token: int, logprob: float, k: int, vocab_size: int) -> TokenLogprob:
     return TokenLogprob(token, logprob, 1, [((token + j) % vocab_size, logprob - j) for j in range(k)])
+
+
+def _observed(observe: Callable[[RequestOutput], None], output: RequestOutput) -> RequestOutput:
+    observe(output)
+    return output

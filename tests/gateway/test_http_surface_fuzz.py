@@ -96,9 +96,9 @@ def headers(draw) -> dict[str, str]:
 class WireClient(FakeWorkerClient):
     """The stand-in worker, sent each request as WorkerClient sends it: msgpack-encoded."""
 
-    def generate(self, request):
+    def generate(self, request, on_output=None):
         msgspec.msgpack.encode(request)
-        return super().generate(request)
+        return super().generate(request, on_output)
 
 
 def check_answer(route: str, response) -> None:

@@ -2,7 +2,7 @@
 
 The gateway imports this module, so it must stay free of torch and of anything that imports it.
 Gateway → worker: AddRequest, AbortRequest, AdapterCommand, Shutdown.
-Worker → gateway: Ready, StartupFailed, RequestOutput, AdapterCommandResult, Stats.
+Worker → gateway: Ready, StartupFailed, OutputBatch (RequestOutputs), AdapterCommandResult, Stats.
 AdapterState and LoRAStats ride inside AdapterCommandResult ("list") and Stats.
 """
 from __future__ import annotations
@@ -10,6 +10,15 @@ from __future__ import annotations
 import msgspec
 
 SAMPLING_EPS = 1e-5   # a temperature below this samples greedily, as vLLM does
+
+
+class StructuredOutput(msgspec.Struct, frozen=True):
+    """A constraint on the output, compiled by the worker (worker/structured/): `kind` is "json" (spec: a
+    JSON schema), "json_object" (any JSON object; spec ""), "regex", "choice" (spec: a JSON list of
+    strings) or "grammar" (spec: EBNF, as xgrammar reads it)."""
+    kind: str
+    spec: str
+    any_whitespace: bool = True    # JSON: any whitespace between elements (vLLM's default); False: compact
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -28,13 +37,17 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None         # None: no logprobs; k >= 0: sampled token + top-k alternatives
     prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token (first one has none)
+    logit_bias: dict[int, float] | None = None     # token id -> added to its logit, within [-100, 100]
+    allowed_token_ids: list[int] | None = None     # only these may be sampled
+    bad_words_token_ids: list[list[int]] = []      # a sequence's last token is banned right after the rest
+    structured: StructuredOutput | None = None     # a grammar every sampled token must follow
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
 
-class TokenLogprob(msgspec.Struct, array_like=True):
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """One position's logprobs: the chosen token and the top-k alternatives (raw model distribution)."""
     token_id: int
     logprob: float
@@ -80,8 +93,10 @@ class StartupFailed(msgspec.Struct, tag=True):
     message: str
 
 
-class RequestOutput(msgspec.Struct, tag=True):
-    """New tokens of one request since its previous output; finish_reason set on the last one."""
+class RequestOutput(msgspec.Struct, array_like=True, gc=False):
+    """New tokens of one request since its previous output; finish_reason set on the last one. Encoded as an
+    array (no field names, no tag): one goes through the ring per token of every stream, inside an OutputBatch.
+    Never in a reference cycle, so left out of garbage collection (fewer collections at thousands a second)."""
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] | None = None
@@ -92,10 +107,17 @@ class RequestOutput(msgspec.Struct, tag=True):
     error: str | None = None
     status_code: int | None = None          # with an error, its HTTP status: 400 the request, 404 its adapter, 500 ours
     queue_time: float | None = None         # seconds from arrival to its first scheduled step; with the first output
+    num_cached_tokens: int | None = None    # prompt tokens found in the prefix cache; with the first output
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class OutputBatch(msgspec.Struct, tag=True):
+    """Request outputs in one ring frame: those of one engine step (a step too large for one frame is split),
+    or a single abort or rejection."""
+    outputs: list[RequestOutput]
 
 
 class AdapterState(msgspec.Struct, kw_only=True):
@@ -154,7 +176,9 @@ class Stats(msgspec.Struct, tag=True):
     lora: LoRAStats | None = None       # None from engines without adapter tiers
     kv_cache_usage: float = 0.0         # fraction of KV blocks in use, 0 to 1
     num_preemptions: int = 0            # preemptions since the engine started
+    prefix_cache_queries: int = 0       # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int = 0          # of those, tokens found cached
 
 
 ToWorker = AddRequest | AbortRequest | AdapterCommand | Shutdown
-ToGateway = Ready | StartupFailed | RequestOutput | AdapterCommandResult | Stats
+ToGateway = Ready | StartupFailed | OutputBatch | AdapterCommandResult | Stats

@@ -21,6 +21,7 @@ one graph's working set, not one set of logits per graph (what the memory plan r
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -88,10 +89,19 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         # largest first: smaller graphs reuse its memory pool
         shapes = [("mixed", t) for t in reversed(self.token_buckets)] + [("decode", b) for b in reversed(self.buckets)]
-        for kind, size in shapes:
-            modes = (True, False, "grouped") if kind == "decode" and size in self.grouped_buckets else (True, False)
-            for lora in modes:
-                self.graphs[(kind, size, lora)] = self._capture(kind, size, lora)
+        # No cyclic GC while capturing: garbage it frees then (a dropped engine's CUDA graphs, events) makes CUDA
+        # calls a capture does not permit, which invalidate it. Collect now, and again only once it is over.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for kind, size in shapes:
+                modes = (True, False, "grouped") if kind == "decode" and size in self.grouped_buckets else (True, False)
+                for lora in modes:
+                    self.graphs[(kind, size, lora)] = self._capture(kind, size, lora)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         logger.info("captured %d CUDA graphs (decode batch sizes %s, mixed-batch token counts %s) in %.1f s",
                     len(self.graphs), self.buckets, self.token_buckets, time.perf_counter() - start)
 

@@ -39,6 +39,7 @@ class StepHandle:
     logits: torch.Tensor                   # [num_sampling_seqs, vocab] (tests compare it)
     tokens: PendingTokens | None           # None when no sequence samples this step
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    prev_tokens: torch.Tensor | None = None   # the previous step's sampled ids, which the sampler may read
     _result: ModelOutput | None = None
 
     @property
@@ -162,6 +163,12 @@ class ModelRunner:
         """Enqueue the batch's forward pass and sampling, and start reading the tokens back; returns
         without waiting for the device. `prev`: the step still in flight, whose sampled tokens are
         inputs of this one (async scheduling)."""
+        return self.sample(self.forward(batch, prev), batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
+        """Enqueue the forward pass alone: a handle with the logits and no tokens, which `sample` completes
+        (the engine files the tokens in flight in between when a grammar needs them)."""
         prev_tokens = None if prev is None else prev.device_token_ids
         logits = None if self.graph_runner is None else self.graph_runner.run(batch, prev_tokens)
         prompt_logprobs = {}
@@ -171,18 +178,26 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
             logits = logits[len(logits) - len(forward_batch.sample_rows):]   # [num_sampling_seqs, vocab]
         self.lora_pool.record_use(batch.lora_slots)
+        return StepHandle(logits, None, prompt_logprobs, prev_tokens)
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, batch: ScheduledBatch,
+               token_bitmask: torch.Tensor | None = None) -> StepHandle:
+        """Enqueue the sampling of `handle`'s logits and start reading the tokens back. Rows read their
+        requests' tokens now. `token_bitmask`: the grammars' allowed tokens per sampling row, or None."""
         rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
                             s.request.num_pending, s.request.pending_row) for s in batch.seqs if s.samples]
-        if not rows:
-            return StepHandle(logits, None, prompt_logprobs)
-        return StepHandle(logits, self.sampler(logits, rows, prev_tokens).copy_to_host(), prompt_logprobs)
+        if rows:
+            handle.tokens = self.sampler(handle.logits, rows, handle.prev_tokens, token_bitmask).copy_to_host()
+        return handle
 
     @torch.inference_mode()
     def _profile_peak(self, arch: ArchConfig, block_size: int, tokens: int, max_seqs: int, eager: bool) -> int:
         """Device bytes a step of `tokens` tokens over min(max_seqs, tokens) sequences (profile_lengths) takes
         above what is allocated before it: the forward with LoRA on and, for an `eager` step, the first sequence
         scoring its whole prompt (prompt logprobs) and every sequence sampling with the costliest settings (top-p, top-k,
-        penalties, logprobs); a graph holds the forward alone. K/V go to a temporary pool freed afterwards."""
+        penalties, logprobs, a grammar's bitmask); a graph holds the forward alone. K/V go to a temporary pool
+        freed afterwards."""
         lens = profile_lengths(tokens, max_seqs, self.max_model_len)
         kv = KVPool(arch, block_size, sum(-(-n // block_size) for n in lens), self.dtype, self.device)
         batch, first_block = ScheduledBatch(), 0
@@ -202,7 +217,8 @@ class ModelRunner:
             self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
             logits = logits[len(logits) - len(forward_batch.sample_rows):]
             rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, []) for s in batch.seqs]
-            self.sampler(logits, rows, None).copy_to_host().wait()
+            bitmask = torch.full((len(rows), -(-arch.vocab_size // 32)), -1, dtype=torch.int32, device=self.device)
+            self.sampler(logits, rows, None, bitmask).copy_to_host().wait()     # every row constrained
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv, logits, forward_batch
         return peak

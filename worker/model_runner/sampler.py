@@ -1,5 +1,6 @@
-"""Token sampling with vLLM's semantics: penalties, min_tokens, temperature, top-k/top-p/min-p,
-seeded draws, and logprobs of the raw model distribution.
+"""Token sampling with vLLM's semantics: logit_bias, penalties, bans (a grammar's token bitmask,
+allowed_token_ids, bad_words, min_tokens), temperature, top-k/top-p/min-p, seeded draws, and logprobs of the
+raw model distribution.
 
 Every step is a batched tensor operation over the rows; per-request settings become [num_rows]
 tensors. Python values are read back only at the end, for the logprobs handed to the gateway.
@@ -102,12 +103,13 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)  # rows without a seed
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 prev_tokens: torch.Tensor | None = None) -> SamplerOutput:
-        """`prev_tokens`: the previous step's sampled ids on the device, where rows' pending tokens are."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None,
+                 token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """`prev_tokens`: the previous step's sampled ids on the device, where rows' pending tokens are.
+        `token_bitmask`: the grammars' allowed tokens (see apply_token_bitmask), None when no row has one."""
         # logits: [num_rows, vocab_size] float32 or bfloat16
         raw = logits.float()
-        processed = self.process_logits(raw, rows, prev_tokens)
+        processed = self.process_logits(raw, rows, prev_tokens, token_bitmask)
         token_ids = processed.argmax(dim=-1)                                   # [num_rows]
         if not all(r.params.greedy for r in rows):
             drawn = self._draw(self.sampling_probs(processed, rows), rows)     # [num_rows]
@@ -116,14 +118,68 @@ class Sampler:
         finite = torch.isfinite(raw).all(dim=-1)                              # [num_rows]
         return SamplerOutput(token_ids, self._row_logprobs(raw, token_ids, rows), finite)
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Penalties (repetition, frequency, presence), then the min_tokens mask: the logits a
-        greedy row takes the argmax of, in float32. `logits` itself is never written to."""
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None,
+                       token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """logit_bias, penalties (repetition, frequency, presence), then the bans: the grammar's bitmask,
+        allowed_token_ids, bad_words, min_tokens: the logits a greedy row takes the argmax of, in float32.
+        `logits` itself is never written to. vLLM bans before the penalties; a banned logit is -inf either
+        way, and banning last keeps it -inf rather than the penalties' clamp of it."""
         logits = logits.float()
+        if any(r.params.logit_bias for r in rows):
+            logits = self._apply_logit_bias(logits, rows)
         if any(_has_penalty(r.params) for r in rows):
             logits = self._apply_penalties(logits, rows, prev_tokens)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask)
+        if any(r.params.allowed_token_ids is not None for r in rows):
+            logits = self._keep_allowed(logits, rows)
+        if any(r.params.bad_words_token_ids for r in rows):
+            logits = self._ban_bad_words(logits, rows, prev_tokens)
         return self._mask_early_stops(logits, rows)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        pairs = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+        row_idx, token_idx, bias = zip(*pairs)
+        indices = (self._to_device(row_idx, torch.int64), self._to_device(token_idx, torch.int64))
+        return logits.index_put(indices, self._to_device(bias, torch.float32), accumulate=True)
+
+    def _keep_allowed(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Rows with allowed_token_ids keep those tokens alone; the others keep every token."""
+        pairs = [(i, t) for i, r in enumerate(rows) for t in r.params.allowed_token_ids or ()]
+        unrestricted = self._to_device([r.params.allowed_token_ids is None for r in rows], torch.bool)
+        keep = unrestricted[:, None].expand_as(logits).clone()                   # [n, V]
+        if pairs:
+            row_idx, token_idx = zip(*pairs)
+            keep[self._to_device(row_idx, torch.int64), self._to_device(token_idx, torch.int64)] = True
+        return logits.masked_fill(~keep, float("-inf"))
+
+    def _ban_bad_words(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """A bad word's last token is banned when the output ends with the rest of it (a one-token word:
+        always). A pending last token is compared on the device, so the host never waits for it.
+
+        Running example: bad word [7, 8, 9], output on the host [.., 7] and a pending token: 9 is banned
+        where prev_tokens[pending_row] == 8."""
+        bans = []          # (row, banned token, row of the pending token to compare or -1, its expected id)
+        for i, r in enumerate(rows):
+            for word in r.params.bad_words_token_ids:
+                *prefix, last = word
+                if not prefix:
+                    bans.append((i, last, -1, 0))
+                    continue
+                known = prefix[:-1] if r.num_pending else prefix
+                out = r.output_token_ids
+                if len(out) >= len(known) and out[len(out) - len(known):] == known:
+                    bans.append((i, last, r.pending_row, prefix[-1]) if r.num_pending else (i, last, -1, 0))
+        if not bans:
+            return logits
+        row_idx, token_idx, src, expected = (self._to_device(x, torch.int64) for x in zip(*bans))
+        banned = src < 0
+        if prev_tokens is not None:
+            banned = banned | (prev_tokens[src.clamp_min(0)] == expected) & (src >= 0)
+        minus_inf = torch.full_like(banned, float("-inf"), dtype=logits.dtype)
+        penalty = torch.where(banned, minus_inf, torch.zeros_like(minus_inf))     # -inf + 0 = -inf
+        return logits.index_put((row_idx, token_idx), penalty, accumulate=True)
 
     def sampling_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top_k, top_p, min_p in that order, then softmax: the distribution a random
@@ -222,6 +278,17 @@ class Sampler:
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Semantics: out[i, t] = logits[i, t] if bit t % 32 of bitmask[i, t // 32] is set else -inf
+    (xgrammar's layout; a row of -1 words allows every token). Out of place, on the device."""
+    # logits: [n, V] float32; bitmask: [n, ceil(V / 32)] int32, read as its little-endian bytes: bit t % 8 of
+    # byte t // 8 is token t's (one byte per token in the temporaries, not four)
+    as_bytes = bitmask.contiguous().view(torch.uint8)                                          # [n, 4W]
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    allowed = ((as_bytes[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[1]]          # [n, V] uint8
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def compute_logprobs(logits_rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:

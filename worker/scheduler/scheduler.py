@@ -5,8 +5,12 @@ tokens are filed later with `tokens_arrived(batch, sampled)` (async scheduling: 
 may run first, with each sampling request holding one pending token).
 Decisions (order, preemption victim, bypass rule) are in policy.py; this file does the mechanics.
 
-Invariant: a RUNNING request owns KV blocks covering its computed tokens and, when it has an
-adapter, one reference on that adapter's slot; WAITING and FINISHED requests own neither.
+Invariant: a RUNNING request holds a reference on KV blocks covering its computed tokens and, when it
+has an adapter, one reference on that adapter's slot; WAITING and FINISHED requests hold neither.
+
+Prefix caching (kv_cache/prefix_cache.py): a request being admitted starts from the longest cached prefix
+of its tokens under its adapter version (its num_computed_tokens start there, and it computes only the
+rest); each step makes the full blocks it computed findable, once their tokens are all known.
 
 Adapter loads. Without a prefetcher (blocking loads), admitting a request whose adapter is not
 resident takes a slot and asks for the load in the same batch. With one (overlap loading), the
@@ -25,6 +29,7 @@ import time
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import LoRAConfig, SchedulerConfig
 from worker.kv_cache.block_allocator import BlockAllocator
+from worker.kv_cache.prefix_cache import PrefixCache
 from worker.lora.prefetcher import Prefetcher
 from worker.lora.slot_table import SlotTable
 from worker.request import AdapterRef, Request, RequestStatus
@@ -35,12 +40,13 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, lora_config: LoRAConfig,
-                 block_allocator: BlockAllocator, slot_table: SlotTable, prefetcher: Prefetcher | None = None):
+                 block_allocator: BlockAllocator, slot_table: SlotTable, prefetcher: Prefetcher | None = None,
+                 enable_prefix_caching: bool = False):
         if slot_table.num_slots != lora_config.max_loras:
             raise ValueError(f"slot table has {slot_table.num_slots} slots but max_loras is "
                              f"{lora_config.max_loras}")
         self.config = scheduler_config
-        self.blocks = block_allocator
+        self.blocks = PrefixCache(block_allocator, enable_prefix_caching)
         self.slots = slot_table
         self.prefetcher = prefetcher        # None: blocking adapter loads
         self.waiting: list[Request] = []   # policy.waiting_key order; read-only outside this class
@@ -59,7 +65,7 @@ class Scheduler:
 
     @property
     def kv_cache_usage(self) -> float:
-        """The fraction of KV blocks held by running requests, 0 to 1."""
+        """The fraction of KV blocks held by running requests, 0 to 1 (cached blocks nobody holds are free)."""
         return self.blocks.usage
 
     def has_unfinished(self) -> bool:
@@ -131,6 +137,7 @@ class Scheduler:
             if row is not None:
                 request.num_pending += 1
                 request.pending_row = row
+            self.blocks.cache_computed(request)
         rejected, self._rejected = self._rejected, []
         return rejected
 
@@ -149,6 +156,8 @@ class Scheduler:
                 continue
             request.num_pending -= 1
             request.output_token_ids.append(token)
+            if request.status is RequestStatus.RUNNING:
+                self.blocks.cache_computed(request)   # a block whose last token was pending
             if request.check_stop():
                 self._end(request, request.finish_reason)
             changed.append(request)
@@ -203,11 +212,13 @@ class Scheduler:
                     draining = policy.slot_to_drain(self.running, self.slots.pinned)
                 if not self._adapter_ready(request, skipped, starved, draining):
                     continue
-            num_new = min(request.num_tokens, budget)
-            need = self.blocks.blocks_needed(num_new)
-            if not self.blocks.can_allocate(need):
+            hit = self.blocks.cached_prefix(request)
+            num_cached = len(hit) * self.blocks.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            need = self.blocks.blocks_needed(num_cached + num_new) - len(hit)
+            if not self.blocks.can_allocate(need + self.blocks.num_evictable(hit)):
                 break      # strict FCFS for memory
-            self._admit(request, need, batch)
+            self._admit(request, hit, need, batch)
             policy.record_overtake(skipped)
             batch.seqs.append(self._seq(request, num_new))
             budget -= num_new
@@ -226,13 +237,15 @@ class Scheduler:
         skipped.append(request)
         return False
 
-    def _admit(self, request: Request, num_blocks: int, batch: ScheduledBatch) -> None:
-        """WAITING -> RUNNING: take blocks and a slot reference (both checked by the caller)."""
+    def _admit(self, request: Request, hit: list[int], num_blocks: int, batch: ScheduledBatch) -> None:
+        """WAITING -> RUNNING: take the cached prefix `hit`, `num_blocks` new blocks and a slot reference
+        (all checked by the caller); its tokens up to the end of `hit` count as computed."""
         if request.adapter is not None:
             slot, needs_load = self.slots.acquire(request.adapter)
             if needs_load:
                 batch.adapter_loads.append((request.adapter, slot))
-        request.block_ids = self.blocks.allocate(num_blocks)
+        self.blocks.start_from(request, hit)
+        request.block_ids = hit + self.blocks.allocate(num_blocks)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
@@ -244,7 +257,7 @@ class Scheduler:
                      request.num_computed_tokens)
         self._give_back(request)
         self.running.remove(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_cached_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING

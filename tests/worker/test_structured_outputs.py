@@ -1,0 +1,244 @@
+"""Constrained decoding and token bans in the engine, on the demo model (tiny random Llama, real tokenizer)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import tokenizers
+
+from tests.structured_cases import CLOSERS, REGEX, SCHEMAS, SPECS, check
+from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.demo import ADAPTERS, build_demo
+from worker.engine import Engine
+from worker.ipc.messages import SamplingParams, StructuredOutput
+
+ADAPTER_NAMES = [None] + [a.name for a in ADAPTERS[:2]]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return build_demo()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo):
+    return tokenizers.Tokenizer.from_file(str(demo.model_dir / "tokenizer.json"))
+
+
+def make_engine(demo, async_scheduling: bool = True) -> Engine:
+    engine = Engine(WorkerConfig(ModelConfig(str(demo.model_dir)),
+                                 cache=CacheConfig(block_size=4, num_blocks_override=512),
+                                 lora=LoRAConfig(max_loras=2, max_lora_rank=16),
+                                 scheduler=SchedulerConfig(max_num_seqs=16), device="cpu",
+                                 async_scheduling=async_scheduling))
+    for name, path in demo.adapters.items():
+        engine.add_adapter(name, str(path))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(demo):
+    return make_engine(demo)
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams, str | None]]) -> dict[str, list]:
+    for request_id, (prompt, params, adapter) in requests.items():
+        engine.add_request(request_id, prompt, params, adapter)
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def text_of(tokenizer, outs, eos: int) -> str:
+    ids = [t for o in outs for t in o.new_token_ids if t != eos]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def constrained(kind: str, spec: str, seed: int, any_whitespace: bool = False) -> SamplingParams:
+    return SamplingParams(max_tokens=200, temperature=1.0, seed=seed,
+                          logit_bias=CLOSERS if kind == "json_object" else None,
+                          structured=StructuredOutput(kind, spec, any_whitespace))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_every_constrained_output_follows_its_spec_in_a_mixed_batch(demo, tokenizer, async_scheduling):
+    """Constrained requests of every kind, with and without adapters, beside unconstrained ones; every
+    constrained output ends (eos) and follows its spec."""
+    engine = make_engine(demo, async_scheduling)
+    eos = engine.eos_token_ids[0]
+    requests = {}
+    for i, (kind, spec) in enumerate(SPECS):
+        for seed in range(2):
+            adapter = ADAPTER_NAMES[(i + seed) % len(ADAPTER_NAMES)]
+            requests[f"{kind}-{i}-{seed}"] = (tokenizer.encode(f"case {i} {seed}").ids, constrained(kind, spec, seed),
+                                              adapter)
+    for j in range(4):
+        requests[f"free-{j}"] = (tokenizer.encode(f"free text {j}").ids,
+                                 SamplingParams(max_tokens=30, temperature=1.0, seed=j), ADAPTER_NAMES[j % 3])
+    outputs = run(engine, requests)
+    for request_id, (_, params, _) in requests.items():
+        outs = outputs[request_id]
+        assert outs[-1].finish_reason in ("stop", "length") and outs[-1].error is None
+        if params.structured is not None:
+            assert outs[-1].finish_reason == "stop", request_id
+            check(params.structured.kind, params.structured.spec, text_of(tokenizer, outs, eos))
+
+
+def test_any_whitespace_json_still_validates(engine, tokenizer):
+    eos = engine.eos_token_ids[0]
+    spec = json.dumps(SCHEMAS["enum"])
+    outputs = run(engine, {f"ws-{s}": (tokenizer.encode("ws").ids, constrained("json", spec, s, True), None)
+                           for s in range(3)})
+    for outs in outputs.values():
+        if outs[-1].finish_reason == "stop":        # any whitespace may run past max_tokens on a random model
+            check("json", spec, text_of(tokenizer, outs, eos))
+
+
+def test_constrained_tokens_match_alone_and_in_a_batch(engine, tokenizer):
+    """A seeded constrained request samples the same tokens alone and beside others."""
+    spec = json.dumps(SCHEMAS["nested"])
+    alone = run(engine, {"a": (tokenizer.encode("x").ids, constrained("json", spec, 7), None)})["a"]
+    mixed = run(engine, {"b": (tokenizer.encode("x").ids, constrained("json", spec, 7), None),
+                         "c": (tokenizer.encode("y").ids, SamplingParams(max_tokens=20, seed=1), None),
+                         "d": (tokenizer.encode("z").ids, constrained("regex", REGEX, 3), "demo-r4-attn")})["b"]
+    assert [o.new_token_ids for o in alone] == [o.new_token_ids for o in mixed]
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("json", '{"type": "foo"}', 'Invalid JSON schema: Unsupported type "foo"'),
+    ("json", "not json", "Invalid JSON schema: Failed to parse JSON"),
+    ("regex", "(ab", "Invalid regex"),
+    ("grammar", 'start ::= "a"', 'The root rule with name "root" is not found'),
+])
+def test_bad_spec_ends_the_request_with_a_400_and_others_go_on(engine, tokenizer, kind, spec, message):
+    outputs = run(engine, {"bad": (tokenizer.encode("x").ids, constrained(kind, spec, 0), None),
+                           "good": (tokenizer.encode("y").ids, SamplingParams(max_tokens=5), None)})
+    bad = outputs["bad"][-1]
+    assert bad.finish_reason == "error" and bad.status_code == 400 and message in bad.error
+    assert outputs["good"][-1].finish_reason == "length"
+
+
+def test_abort_while_compiling_ends_the_request(engine, tokenizer):
+    engine.add_request("held", tokenizer.encode("x").ids, constrained("json", json.dumps(SCHEMAS["array"]), 0))
+    out = engine.abort_request("held")
+    assert out.finish_reason == "abort"
+    assert run(engine, {}) == {} and not engine.has_unfinished()
+
+
+def test_logit_bias_bans_and_forces_tokens(engine, tokenizer):
+    prompt = tokenizer.encode("hello world").ids
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = [t for o in run(engine, {"p": (prompt, greedy, None)})["p"] for t in o.new_token_ids]
+    banned = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={plain[0]: -100.0})
+    forced = SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True, logit_bias={77: 100.0})
+    outputs = run(engine, {"ban": (prompt, banned, None), "force": (prompt, forced, "demo-r8-all")})
+    assert plain[0] not in [t for o in outputs["ban"] for t in o.new_token_ids]
+    assert [t for o in outputs["force"] for t in o.new_token_ids] == [77] * 8
+
+
+def test_allowed_token_ids_and_bad_words(engine, tokenizer):
+    prompt = tokenizer.encode("hello").ids
+    allowed = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=[5, 9, 40])
+    plain = [t for o in run(engine, {"p": (prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                           None)})["p"] for t in o.new_token_ids]
+    bad = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, bad_words_token_ids=[[plain[0]]])
+    outputs = run(engine, {"allowed": (prompt, allowed, None), "bad": (prompt, bad, None)})
+    assert set(t for o in outputs["allowed"] for t in o.new_token_ids) <= {5, 9, 40}
+    assert plain[0] not in [t for o in outputs["bad"] for t in o.new_token_ids]
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(logit_bias={99999: 1.0}), "token_id(s) [99999] in logit_bias contain out-of-vocab token ids"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids is not None and empty!"),
+    (dict(allowed_token_ids=[1, 99999]), "allowed_token_ids contains out-of-vocab token id!"),
+    (dict(bad_words_token_ids=[[1, 99999]]), "the following tokens were specified as bad: [99999]"),
+])
+def test_out_of_vocab_token_fields_are_refused(engine, params, message):
+    with pytest.raises(ValueError) as e:
+        engine.add_request("oov", [1, 2], SamplingParams(**params))
+    assert message in str(e.value)
+
+
+def test_a_spec_is_compiled_once_and_shared(demo):
+    from worker.structured.compiler import GrammarCompiler
+    compiler = GrammarCompiler(str(demo.model_dir), 1536, [2])
+    try:
+        first = compiler.submit(StructuredOutput("regex", "[ab]+"))
+        assert compiler.submit(StructuredOutput("regex", "[ab]+")) is first
+        assert compiler.submit(StructuredOutput("regex", "[ab]+", any_whitespace=False)) is not first
+        assert first.result(timeout=60) is not None
+    finally:
+        compiler.close()
+
+
+def test_async_scheduling_gives_the_constrained_tokens_of_synchronous_steps(demo, tokenizer):
+    """With async scheduling a constrained row's pending token is filed before the row samples; its tokens, and
+    those of the free rows beside it (penalties read the filed tokens), are the synchronous engine's. Each engine
+    compiles the grammars first, so both admit every request at the first step and run the same batches."""
+    requests = {f"c{i}": (tokenizer.encode(f"p{i}").ids, constrained(kind, spec, i), ADAPTER_NAMES[i % 3])
+                for i, (kind, spec) in enumerate(SPECS)}
+    requests.update({f"f{j}": (tokenizer.encode(f"q{j}").ids,
+                               SamplingParams(max_tokens=25, seed=j, presence_penalty=0.5), ADAPTER_NAMES[j % 3])
+                     for j in range(3)})
+    tokens = []
+    for async_scheduling in (True, False):
+        engine = make_engine(demo, async_scheduling)
+        run(engine, {f"warm-{rid}": r for rid, r in requests.items() if rid.startswith("c")})
+        outputs = run(engine, requests)
+        tokens.append({rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()})
+    assert tokens[0] == tokens[1] and len(tokens[0]) == len(requests)
+
+
+def test_length_bounded_json_strings_refuse_control_characters(demo, tokenizer):
+    """xgrammar lowers a string with maxLength/minLength to a character class that admits the raw control
+    characters U+0000-U+001F (mlc-ai/xgrammar#800): a GPU run answered '{"name": "}\\x01xt"}' to SCHEMAS["string"],
+    which json.loads refuses. The compiled grammar bans every control-character token inside such a string."""
+    import xgrammar
+
+    from worker.structured.compiler import GrammarCompiler
+    compiler = GrammarCompiler(str(demo.model_dir), 1536, [2])
+    try:
+        grammar = compiler.submit(StructuredOutput("json", json.dumps(SCHEMAS["string"]), False)).result(timeout=60)
+    finally:
+        compiler.close()
+    matcher = xgrammar.GrammarMatcher(grammar)
+    assert all(matcher.accept_token(t) for t in tokenizer.encode('{"name": "}').ids)
+    bitmask = xgrammar.allocate_token_bitmask(1, 1536)
+    matcher.fill_next_token_bitmask(bitmask)
+    allowed = [t for t in range(1536) if bitmask[0, t // 32] >> (t % 32) & 1]
+    control = [tokenizer.token_to_id(chr(0x100 + b)) for b in range(0x20)]   # byte-level BPE: byte b is U+0100 + b
+    assert None not in control and not set(control) & set(allowed)
+    assert tokenizer.token_to_id("x") in allowed
+    assert not matcher.accept_token(tokenizer.token_to_id("\u0101"))          # "\x01"
+
+
+def test_graph_capture_collects_garbage_first_and_runs_no_gc_during_it(monkeypatch):
+    """A dropped engine left in a reference cycle was freed by the cyclic GC in the middle of the next engine's
+    CUDA graph capture; its graphs' destructors made CUDA calls a capture does not permit, which invalidated it
+    ("operation failed due to a previous error during capture"). capture() collects before, and not during."""
+    import gc
+
+    from worker.model_runner.cuda_graph import CUDAGraphRunner
+    state = {"capturing": False, "freed_while_capturing": []}
+
+    class DroppedEngine:              # unreachable but in a cycle: only the cyclic GC frees it
+        def __init__(self):
+            self.cycle = self
+
+        def __del__(self):
+            state["freed_while_capturing"].append(state["capturing"])
+
+    def capture_one(kind, size, lora):
+        state["capturing"] = True
+        objects = [[] for _ in range(20_000)]      # enough allocations to trigger automatic collections
+        state["capturing"] = False
+        return objects, None
+
+    runner = CUDAGraphRunner(None, None, None, max_num_seqs=2)
+    monkeypatch.setattr(runner, "_capture", capture_one)
+    DroppedEngine()
+    runner.capture()
+    assert state["freed_while_capturing"] == [False] and len(runner.graphs) == 4
+    assert gc.isenabled()

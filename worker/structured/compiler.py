@@ -1,0 +1,98 @@
+"""GrammarCompiler: StructuredOutput specs compiled by xgrammar on a thread pool, cached by spec.
+
+Compiling a JSON schema can take from a millisecond to a second, so it never runs on the step loop: `submit`
+returns a future at once and the engine holds the request until it is done. The tokenizer's vocabulary
+(xgrammar's TokenizerInfo) is read on the pool too, once, when the first constrained request comes. A spec
+xgrammar refuses becomes a ValueError naming the problem, answered to its request as a 400. `json_object` is
+a JSON schema of any object, as vLLM compiles it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from worker.ipc.messages import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 1024        # compiled grammars kept (xgrammar's own cache keeps their token masks)
+COMPILE_THREADS = 2
+# xgrammar's "[time] file.cc:line: " and "Check failed: (cond) is false: " prefixes
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]):
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._compiler = self._pool.submit(_make_compiler, tokenizer_path, vocab_size, stop_token_ids)
+        self._cache: OrderedDict[StructuredOutput, Future] = OrderedDict()   # spec -> compiled grammar
+
+    def submit(self, spec: StructuredOutput) -> Future:
+        """The compiled grammar of `spec` (a cached future when it was asked for before)."""
+        future = self._cache.get(spec)
+        if future is None:
+            future = self._cache[spec] = self._pool.submit(self._compile, spec)
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(spec)
+        return future
+
+    def _compile(self, spec: StructuredOutput):
+        compiler = self._compiler.result()
+        try:
+            if spec.kind in ("json", "json_object"):
+                schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+                return compiler.compile_grammar(json_schema_ebnf(schema, spec.any_whitespace))
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
+            if spec.kind == "grammar":
+                return compiler.compile_grammar(spec.spec)
+        except RuntimeError as e:
+            raise ValueError(f"Invalid {_NAMES[spec.kind]}: {_LOCATION.sub('', str(e).strip())}") from None
+        raise ValueError(f"Unknown structured output kind {spec.kind!r}.")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose sentences are exactly `choices`: ["yes", "no"] -> root ::= "yes" | "no"."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+# xgrammar (<= 0.2.8, mlc-ai/xgrammar#800) lowers a string with minLength/maxLength to a repetition of this class,
+# which admits the raw control characters U+0000-U+001F that JSON strings forbid (json.loads refuses the output);
+# its unbounded strings use the second. EBNF string literals and character classes are matched whole, so only a
+# class of the grammar itself is rewritten, never text inside a literal (an enum value, a pattern).
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_EBNF_LITERAL_OR_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
+
+
+def json_schema_ebnf(schema: str, any_whitespace: bool) -> str:
+    """xgrammar's grammar of `schema` (as compile_json_schema builds it) as EBNF, with the characters of its
+    length-bounded strings limited to those JSON allows unescaped."""
+    import xgrammar
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    return _EBNF_LITERAL_OR_CLASS.sub(
+        lambda m: _JSON_STRING_CHAR if m.group() == _BOUNDED_STRING_CHAR else m.group(), ebnf)
+
+
+def _make_compiler(tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]):
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    logger.info("grammar compiler ready (%s vocabulary of %d tokens)", info.vocab_type.name, vocab_size)
+    return xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS)
