@@ -43,12 +43,14 @@ def point(summary: dict[str, Any], setting: str, concurrency: int) -> dict[str, 
 
 
 def sweep(endpoint: Endpoint, settings: list[str], levels: list[int], input_len: int, output_len: int,
-          num_loras: int, vocab_size: int, seed: int = 0) -> list[dict[str, Any]]:
+          num_loras: int, vocab_size: int, seed: int = 0, warmup: int = 0) -> list[dict[str, Any]]:
+    """Every (setting, concurrency) point in turn, each after `warmup` requests of its own workload (untimed):
+    a server's first point otherwise pays for its first steps, first adapter loads and first connections."""
     points = []
     for setting in settings:
         for c in levels:
             load = workload(setting, c, input_len, output_len, num_loras, vocab_size)
-            records, duration = asyncio.run(benchmark(endpoint, load, seed, warmup=0, progress=False,
+            records, duration = asyncio.run(benchmark(endpoint, load, seed, warmup=warmup, progress=False,
                                                       timeout_s=3600.0))
             points.append(point(summarize(records, duration), setting, c))
             logger.info("%s", points[-1])
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     add("--input-len", type=int, default=130)
     add("--output-len", type=int, default=256)
     add("--vocab-size", type=int, default=1000)
+    add("--warmup", type=int, default=0, help="untimed requests before each point (0: none, as earlier runs)")
     add("--out", default="sweep.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     base_url = args.base_url.rstrip("/")
     endpoint = Endpoint(base_url, asyncio.run(served_base_model(base_url, auth_headers(args.api_key))), args.api_key)
     points = sweep(endpoint, args.adapters, args.concurrency, args.input_len, args.output_len, args.num_loras,
-                   args.vocab_size)
+                   args.vocab_size, warmup=args.warmup)
     out = Path(args.out)
     out.write_text(json.dumps({"settings": vars(args), "points": points}, indent=1))
     plot(points, out.with_suffix(".png"))

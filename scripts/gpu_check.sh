@@ -81,7 +81,7 @@ for stage in $stages; do
                --lora-modules $(for a in /tmp/adapters-sweep/*; do echo "${a##*/}=$a"; done) >> "$OUT/sweep.log" 2>&1 &
              pid=$!
              for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
-             timeout 1200 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --num-loras 64 \
+             timeout 1200 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --num-loras 64 --warmup 16 \
                --out "$OUT/sweep.json" ${SWEEP_ARGS:-} >> "$OUT/sweep.log" 2>&1
              rc=$?; kill $pid; wait $pid; (exit $rc) ;;
     slora)   failed=0

@@ -64,3 +64,11 @@ def test_plot_draws_one_line_per_setting(tmp_path):
               for s in ("base", "one") for c in (1, 2, 4)]
     path = plot(points, tmp_path / "sweep.png")
     assert path is not None and path.stat().st_size > 0
+
+
+def test_warm_up_requests_go_before_each_point_and_are_not_counted(sent):
+    """--warmup N: N untimed requests of the point's own setting before it; the point still counts only its own."""
+    points = sweep(Endpoint("http://x", "m"), ["one"], [2, 4], input_len=3, output_len=5, num_loras=3,
+                   vocab_size=50, warmup=3)
+    assert [p["completed"] for p in points] == [16, 16]          # 2c requests a point, at least 16
+    assert [len(a) for a in sent["adapters"]] == [3 + 16, 3 + 16] and set(sent["adapters"][0]) == {"lora-0"}
