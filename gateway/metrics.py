@@ -9,6 +9,13 @@ arrive, with the queue time the worker reports, and split as vLLM splits them: q
 arrival, prefill = first token - first scheduled, decode = last token - first token, inference = last
 token - first scheduled, time per output token = decode / (generated tokens - 1).
 
+`vllm:lora_requests_info` is what the Gateway API Inference Extension's endpoint picker (the llm-d router)
+reads for LoRA affinity: one series whose value is the time it was rendered (the picker keeps the series with
+the largest value), `max_lora` = --max-loras, `waiting_lora_adapters` = adapters of queued requests, and
+`running_lora_adapters` = adapters resident in a GPU slot (plus those of running requests), comma-separated:
+"already loaded here", which the picker's LoRA-affinity scorer ranks first. vLLM lists only adapters of
+running requests there; an idle adapter still in its slot would then look absent to the router.
+
 `loraplex:` metrics count requests and tokens per adapter, and describe the adapter tiers (GPU slots,
 host cache) with hits, misses, loads, evictions and load latency per tier, from the worker's LoRAStats.
 An adapter's series go when it is unloaded, so the page stays as long as the set of adapters served.
@@ -158,6 +165,7 @@ class Metrics:
         self.lora_requests: Counter[str] = Counter()
         self.lora_prompt_tokens: Counter[str] = Counter()
         self.lora_generation_tokens: Counter[str] = Counter()
+        self._adapter_label_text: dict[str, str] = {}     # lora_name -> its label set, rendered
         self.request_prompt_tokens = Histogram(())        # token histograms: bucketed in engine_ready
         self.request_generation_tokens = Histogram(())
         self.request_max_tokens = Histogram(())
@@ -189,6 +197,7 @@ class Metrics:
         """Drop an unloaded adapter's series."""
         for counter in (self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens):
             counter.pop(lora_name, None)
+        self._adapter_label_text.pop(lora_name, None)
 
     def render(self, stats: Stats) -> str:
         engine = {"model_name": self.model_name, "engine": "0"}
@@ -225,6 +234,15 @@ class Metrics:
         self._render_adapters(out, stats)
         return "\n".join(out) + "\n"
 
+    def _adapter_labels(self, lora_name: str) -> str:
+        """`{lora_name="...",model_name="..."}`, as _sample writes it, made once per adapter: with a thousand
+        adapters these are most of the page, which the router scrapes every 50 ms."""
+        text = self._adapter_label_text.get(lora_name)
+        if text is None:
+            text = _label_text({"model_name": self.model_name, "lora_name": lora_name})
+            self._adapter_label_text[lora_name] = text
+        return text
+
     def _cache_labels(self) -> dict[str, object]:
         """vLLM's CacheConfig fields that mean something here, as str(value) (vLLM labels them all), and engine."""
         return {"block_size": self.block_size, "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -239,8 +257,9 @@ class Metrics:
                 ("loraplex:lora_prompt_tokens", self.lora_prompt_tokens, "Prompt tokens per LoRA adapter."),
                 ("loraplex:lora_generation_tokens", self.lora_generation_tokens,
                  "Generated tokens per LoRA adapter.")):
+            sample = f"{name}_total"
             _family(out, name, "counter", help_text,
-                    [_sample(f"{name}_total", {**model, "lora_name": lora}, count)
+                    [f"{sample}{self._adapter_labels(lora)} {_go_float(count)}"
                      for lora, count in sorted(counter.items())])
         if stats.lora is not None:
             _adapter_tiers(out, model, stats.lora)
@@ -283,8 +302,12 @@ def _sample_name(name: str, kind: str) -> str:
 
 def _sample(name: str, labels: dict[str, object], value: float) -> str:
     """One sample line as prometheus_client writes it: labels sorted by name, values as Go floats."""
-    label_text = ",".join(f'{key}="{_escape(str(labels[key]))}"' for key in sorted(labels))
-    return f"{name}{{{label_text}}} {_go_float(value)}"
+    return f"{name}{_label_text(labels)} {_go_float(value)}"
+
+
+def _label_text(labels: dict[str, object]) -> str:
+    """`{a="1",b="x"}`: labels sorted by name, values escaped."""
+    return "{" + ",".join(f'{key}="{_escape(str(labels[key]))}"' for key in sorted(labels)) + "}"
 
 
 def _go_float(value: float) -> str:

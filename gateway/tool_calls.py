@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.json_reader import JsonReader, dumps, json_or
 from gateway.protocol import APIError
 from worker.ipc.messages import StructuredOutput
 
@@ -100,7 +101,7 @@ class ToolChoice:
         if self.mode == "named":
             return "", [ToolCall(self.name, text)]
         if self.mode == "required":
-            return "", [ToolCall(c["name"], _dumps(c["parameters"])) for c in _json_or(text, [])]
+            return "", [ToolCall(c["name"], dumps(c["parameters"])) for c in json_or(text, [])]
         if self.mode == "auto":
             return parse_hermes(text)
         return text, []
@@ -120,99 +121,140 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     calls = []
     for closed, unclosed in _BLOCKS.findall(text):
-        call = _json_or(closed or unclosed, None)
+        call = json_or(closed or unclosed, None)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, []
-        calls.append(ToolCall(call["name"], _dumps(call.get("arguments", {}))))
+        calls.append(ToolCall(call["name"], dumps(call.get("arguments", {}))))
     content = text[:text.index(TOOL_CALL_START)]
     return content or None, calls
 
 
 class ToolCallStream:
-    """A streamed output as OpenAI streams tool calls: `feed(text)` and `finish()` give (content, tool call
-    deltas). A named tool's arguments stream as they come (the first delta with the call's id and name); the
-    calls of "required" and of Hermes blocks go out whole, each once its JSON (block) is closed."""
+    """A streamed output's tool calls as OpenAI and vLLM stream them: `feed(text)` and `finish()` give (content, tool
+    call deltas). A call's first delta carries its index, id, type and name with arguments ""; later deltas of that
+    index carry pieces of its arguments as they are generated, which concatenate to the arguments of the whole
+    output's call (`ToolChoice.parse`): the named tool's output as it comes; for "required" and Hermes blocks, the
+    JSON read so far written as json.dumps writes it (a number or literal once it ends). Hermes text outside the
+    blocks is content; a block whose JSON breaks before its name is read goes out as content, as the whole-output
+    parser answers it (one that breaks after its name cannot be taken back, and stops there, as in vLLM)."""
 
     def __init__(self, choice: ToolChoice):
         self.choice = choice
         self.num_calls = 0
-        self._text = ""          # output not handed out yet (auto, required)
-        self._scan = 0           # required: where the scan of _text stopped
-        self._depth = 0
-        self._in_string = self._escaped = False
-        self._item_start = -1
+        self._text = ""                                   # auto: output not read yet (a possible tag held back)
+        self._block: _Block | None = None                 # auto: the <tool_call> block being read
+        self._reader = JsonReader()                      # required: the array of calls
+        self._items: dict[int, _Call] = {}                # required: the calls by array position
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         if self.choice.mode == "named":
-            return self._named(text)
+            deltas = [] if self.num_calls else [self._start(_Call(self.choice.name))]
+            if text:
+                deltas.append(_arguments_delta(0, text))
+            return "", deltas
         if self.choice.mode == "required":
-            self._text += text
-            return "", self._required_items()
+            items: list[dict[str, Any]] = []
+            for kind, path, value in self._reader.feed(text):
+                if path:
+                    self._on_event(self._items.setdefault(path[0], _Call()), kind, path[1:], value, "parameters",
+                                   items)
+            return "", items
         if self.choice.mode == "auto":
             self._text += text
             return self._hermes(final=False)
         return text, []
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if self.choice.mode == "named" and not self.num_calls:
+            return "", [self._start(_Call(self.choice.name))]
         return self._hermes(final=True) if self.choice.mode == "auto" else ("", [])
 
-    def _named(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if not text:
-            return "", []
-        if self.num_calls == 0:
-            self.num_calls = 1
-            call = ToolCall(self.choice.name, text).as_dict()
-            return "", [{"index": 0, **call}]
-        return "", [{"index": 0, "function": {"arguments": text}}]
-
-    def _required_items(self) -> list[dict[str, Any]]:
-        """Scan the JSON array for items closed since the last call (strings and nesting tracked)."""
-        deltas = []
-        for i in range(self._scan, len(self._text)):
-            c = self._text[i]
-            if self._in_string:
-                self._escaped, self._in_string = (False, True) if self._escaped else (c == "\\", c != '"')
-                continue
-            if c == '"':
-                self._in_string = True
-            elif c in "[{":
-                self._depth += 1
-                if self._depth == 2:
-                    self._item_start = i
-            elif c in "]}":
-                if self._depth == 2:
-                    item = _json_or(self._text[self._item_start:i + 1], {})
-                    deltas.append(self._call_delta(ToolCall(item.get("name", ""), _dumps(item.get("parameters", {})))))
-                self._depth -= 1
-        self._scan = len(self._text)
-        return deltas
-
     def _hermes(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        """Content up to a block (holding back a possible start of one), then each block once closed."""
+        """Content up to a block (holding back a possible start of one), then the block's call as it is read (holding
+        back a possible end tag); a block ends at its first end tag, or with the output."""
         content, deltas = "", []
         while True:
-            start = self._text.find(TOOL_CALL_START)
-            if start < 0:
-                keep = 0 if final else _partial_suffix(self._text, TOOL_CALL_START)
-                content += self._text[:len(self._text) - keep]
-                self._text = self._text[len(self._text) - keep:]
-                return content, deltas
-            content += self._text[:start]
-            end = self._text.find(TOOL_CALL_END, start)
-            if end < 0 and not final:
-                self._text = self._text[start:]
-                return content, deltas
-            body = self._text[start + len(TOOL_CALL_START):end if end >= 0 else len(self._text)]
-            call = _json_or(body, None)
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                deltas.append(self._call_delta(ToolCall(call["name"], _dumps(call.get("arguments", {})))))
+            if self._block is None:
+                start = self._text.find(TOOL_CALL_START)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(self._text, TOOL_CALL_START)
+                    content += self._text[:len(self._text) - keep]
+                    self._text = self._text[len(self._text) - keep:]
+                    return content, deltas
+                content += self._text[:start]
+                self._block, self._text = _Block(), self._text[start + len(TOOL_CALL_START):]
+            end = self._text.find(TOOL_CALL_END)
+            if end >= 0:
+                body, rest = self._text[:end], self._text[end + len(TOOL_CALL_END):]
             else:
-                content += self._text[start:end + len(TOOL_CALL_END) if end >= 0 else len(self._text)]
-            self._text = self._text[end + len(TOOL_CALL_END):] if end >= 0 else ""
+                keep = 0 if final else _partial_suffix(self._text, TOOL_CALL_END)
+                body, rest = self._text[:len(self._text) - keep], None
+                self._text = self._text[len(self._text) - keep:]
+            block = self._block
+            block.raw += body
+            if not block.broken:
+                for kind, path, value in block.reader.feed(body):
+                    self._on_event(block.call, kind, path, value, "arguments", deltas)
+                block.broken = block.reader.error
+            if rest is None and not final:
+                return content, deltas
+            if block.call.index is None:            # never a call: the block is text, as parse_hermes says
+                content += TOOL_CALL_START + block.raw + (TOOL_CALL_END if rest is not None else "")
+            self._block = None
+            if rest is None:
+                return content, deltas
+            self._text = rest
 
-    def _call_delta(self, call: ToolCall) -> dict[str, Any]:
-        self.num_calls += 1
-        return {"index": self.num_calls - 1, **call.as_dict()}
+    def _on_event(self, call: _Call, kind: str, path: tuple, value: Any, key: str,
+                  deltas: list[dict[str, Any]]) -> None:
+        """One event of a call's JSON (path relative to the call object): its name starts the call, the text of its
+        `key` value goes out as arguments (held until the name is known), its end gives "{}" if it had none."""
+        if kind == "string" and path == ("name",) and call.name is None:
+            call.name = value
+            deltas.append(self._start(call))
+            if call.pending:
+                deltas.append(_arguments_delta(call.index, call.pending))
+                call.pending = ""
+        elif kind == "text" and path[:1] == (key,) and not call.arguments_read:
+            call.has_arguments = True
+            if call.index is None:
+                call.pending += value
+            elif deltas and deltas[-1]["index"] == call.index and "id" not in deltas[-1]:
+                deltas[-1]["function"]["arguments"] += value
+            else:
+                deltas.append(_arguments_delta(call.index, value))
+        elif kind == "end" and path == (key,):
+            call.arguments_read = True
+        elif kind == "end" and path == () and call.index is not None and not call.has_arguments:
+            call.has_arguments = True
+            deltas.append(_arguments_delta(call.index, "{}"))
+
+    def _start(self, call: _Call) -> dict[str, Any]:
+        call.index, self.num_calls = self.num_calls, self.num_calls + 1
+        return {"index": call.index, **ToolCall(call.name, "").as_dict()}
+
+
+def _arguments_delta(index: int, arguments: str) -> dict[str, Any]:
+    return {"index": index, "function": {"arguments": arguments}}
+
+
+@dataclass
+class _Call:
+    """A streamed call: its name once read, its index once started, arguments read before the name."""
+    name: str | None = None
+    index: int | None = None
+    pending: str = ""
+    has_arguments: bool = False
+    arguments_read: bool = False
+
+
+@dataclass
+class _Block:
+    """A Hermes block being read: its text (content if it never gives a call), its JSON, its call."""
+    raw: str = ""
+    reader: JsonReader = field(default_factory=lambda: JsonReader())
+    call: _Call = field(default_factory=_Call)
+    broken: bool = False
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -221,17 +263,6 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
-def _json_or(text: str, default: Any) -> Any:
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        return default
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _check(ok: bool, message: str, param: str | None) -> None:

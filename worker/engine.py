@@ -168,7 +168,12 @@ class Engine:
         return self.scheduler.blocks.hits
 
     def running_adapter_names(self) -> list[str]:
-        return sorted({r.adapter.name for r in self.scheduler.running if r.adapter})
+        """Adapters resident in a GPU slot (or being copied into one), and those of the running requests
+        (an older version of a name still finishing after a load_inplace): vllm:lora_requests_info's
+        running_lora_adapters, which the endpoint picker reads as "already loaded here"."""
+        current = self.adapters.refs
+        resident = {ref.name for ref in self.adapters.slots.residents() if current.get(ref.name) == ref}
+        return sorted(resident | {r.adapter.name for r in self.scheduler.running if r.adapter})
 
     def waiting_adapter_names(self) -> list[str]:
         return sorted({r.adapter.name for r in self.scheduler.waiting if r.adapter})

@@ -68,7 +68,7 @@ class EngineInterface(Protocol):
 
     @abstractmethod
     def running_adapter_names(self) -> list[str]:
-        """Adapters of the running requests, sorted."""
+        """Adapters resident on the GPU and those of the running requests, sorted."""
 
     @abstractmethod
     def waiting_adapter_names(self) -> list[str]:

@@ -105,7 +105,14 @@ async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: Tool
         cached = delta.num_cached_tokens if cached is None else cached
         raise_if_failed(delta)
         logprobs = _logprobs(tokenizer, body, delta)
-        message, finish_reason = _delta_message(calls[index], delta)
+        messages, finish_reason = _delta_message(calls[index], delta)
+        for message in messages[:-1]:   # a call's start and its arguments in one delta: the start goes first
+            chunk = {**header, "choices": [{"index": index, "delta": message, "logprobs": None,
+                                            "finish_reason": None}]}
+            if body.continuous_usage:
+                chunk["usage"] = usage(len(prompt_ids), generated[index])
+            yield chunk
+        message = messages[-1] if messages else {}
         if not (message or (logprobs and logprobs["content"]) or delta.finish_reason or body.return_token_ids):
             continue
         choice = {"index": index, "delta": message or {"content": ""}, "logprobs": logprobs,
@@ -122,20 +129,24 @@ async def _chunks(tokenizer: Tokenizer, body: ChatCompletionRequest, tools: Tool
         yield {**header, "choices": [], "usage": usage(len(prompt_ids), sum(generated), cached)}
 
 
-def _delta_message(calls: ToolCallStream, delta: Delta) -> tuple[dict[str, Any], str | None]:
-    """A streamed delta's message ({} when it has nothing to say) and finish reason, tool calls read out."""
+def _delta_message(calls: ToolCallStream, delta: Delta) -> tuple[list[dict[str, Any]], str | None]:
+    """A streamed delta's messages (none when it has nothing to say; more than one when a call starts and its
+    arguments follow, as a call's first delta carries only its name, and no message names an index twice) and its
+    finish reason, tool calls read out."""
     if not calls.choice.parses_output:
-        return ({"content": delta.text} if delta.text else {}), delta.finish_reason
+        return ([{"content": delta.text}] if delta.text else []), delta.finish_reason
     content, tool_calls = calls.feed(delta.text)
     finish = delta.finish_reason
     if finish is not None:
         more_content, more_calls = calls.finish()
         content, tool_calls = content + more_content, tool_calls + more_calls
         finish = "tool_calls" if calls.choice.mode == "auto" and calls.num_calls else finish
-    message = {"content": content} if content else {}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message, finish
+    messages = [{"content": content}] if content else []
+    for call in tool_calls:
+        if not messages or any(c["index"] == call["index"] for c in messages[-1].get("tool_calls", ())):
+            messages.append({})
+        messages[-1].setdefault("tool_calls", []).append(call)
+    return messages, finish
 
 
 def _logprobs(tokenizer: Tokenizer, body: ChatCompletionRequest, choice: Delta) -> dict[str, Any] | None:

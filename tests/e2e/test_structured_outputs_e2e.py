@@ -126,12 +126,16 @@ def calls_of(message_or_deltas, streamed: bool) -> list[tuple[str, dict]]:
     if not streamed:
         return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                 for c in message_or_deltas["tool_calls"]]
-    calls: dict[int, list] = {}
+    calls: list[list[str]] = []          # as OpenAI streams them: the name (arguments "") first, then arguments
     for d in message_or_deltas:
-        entry = calls.setdefault(d["index"], ["", ""])
-        entry[0] += d.get("function", {}).get("name") or ""
-        entry[1] += d.get("function", {}).get("arguments") or ""
-    return [(name, json.loads(arguments)) for name, arguments in (calls[i] for i in sorted(calls))]
+        if d["index"] == len(calls):
+            assert d["id"].startswith("chatcmpl-tool-") and d["type"] == "function", d
+            assert d["function"]["arguments"] == "" and d["function"]["name"], d
+            calls.append([d["function"]["name"], ""])
+        else:
+            assert d["index"] < len(calls) and set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]][1] += d["function"]["arguments"]
+    return [(name, json.loads(arguments)) for name, arguments in calls]
 
 
 async def chat_tool_calls(http, model: str, fields: dict, stream: bool, seed: int) -> list[tuple[str, dict]]:
@@ -185,19 +189,21 @@ async def test_auto_tool_choice_needs_the_parser_flags(server):
                                                    "--tool-call-parser to be set")
 
 
-def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(server):
-    named = {"type": "function", "function": {"name": "get_weather"}}
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(server, tool_choice):
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
     kwargs = dict(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
-                  tool_choice=named, max_tokens=200, seed=3)
+                  tool_choice=tool_choice, max_tokens=200, seed=3)
     message = server.openai.chat.completions.create(**kwargs).choices[0].message
     call = message.tool_calls[0]
-    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
-    whole = json.loads(call.function.arguments)
-    name, arguments = "", ""
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather" or tool_choice == "required"
+    state, deltas = ChatCompletionStreamState(), []
     for chunk in server.openai.chat.completions.create(stream=True, **kwargs):
-        delta_calls = [c for choice in chunk.choices for c in choice.delta.tool_calls or []]
-        for delta_call in delta_calls:
-            assert delta_call.index == 0
-            name += delta_call.function.name or ""
-            arguments += delta_call.function.arguments or ""
-    assert name == "get_weather" and json.loads(arguments) == whole        # same seed, same call
+        state.handle_chunk(chunk)
+        deltas += [c.model_dump(exclude_none=True) for choice in chunk.choices for c in choice.delta.tool_calls or []]
+    streamed = state.get_final_completion().choices[0].message.tool_calls
+    assert calls_of(deltas, True) == calls_of(message.model_dump(), False)                # same seed, same calls
+    assert [(c.function.name, c.function.arguments) for c in streamed] \
+        == [(c.function.name, c.function.arguments) for c in message.tool_calls]

@@ -21,3 +21,18 @@ async def test_ping_needs_no_api_key():
     async with serve(api_key="secret") as (http, client, app):
         assert (await http.get("/ping")).status_code == 200
         assert (await http.get("/v1/models")).status_code == 401
+
+
+async def test_metrics_are_gzipped_for_a_scraper_that_accepts_it():
+    """A page of at least GZIP_MIN_BYTES goes gzip-compressed to a scraper sending Accept-Encoding: gzip (the
+    endpoint picker's Go client does), as it is to one that does not; the text is the same either way."""
+    from gateway.routes.health import GZIP_MIN_BYTES
+    async with serve() as (http, client, app):
+        zipped = await http.get("/metrics", headers={"Accept-Encoding": "gzip"})
+        plain = await http.get("/metrics", headers={"Accept-Encoding": "identity"})
+    assert len(plain.content) >= GZIP_MIN_BYTES and "content-encoding" not in plain.headers
+    assert zipped.headers["content-encoding"] == "gzip" and zipped.headers["vary"] == "Accept-Encoding"
+    def series(text: str) -> list[str]:     # every line but its value (a timestamp gauge moves between scrapes)
+        return [line.rsplit(" ", 1)[0] for line in text.splitlines()]
+    assert series(zipped.text) == series(plain.text) and "vllm:num_requests_running" in zipped.text   # inflated
+    assert int(zipped.headers["content-length"]) < len(plain.content) / 3

@@ -1,4 +1,5 @@
-"""Linear projections with fused output slices (qkv, gate_up) and per-token-segment LoRA deltas."""
+"""Linear projections with fused output slices (qkv, gate_up) and per-token-segment LoRA deltas, whole or as one
+rank's shard of a tensor-parallel projection (column- or row-parallel, Megatron-style)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.batch import LoRABatchInfo, LoRAWeights
+from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.kernels import reference
 from worker.layers.kernel_choices import KernelChoices
 
@@ -37,7 +39,14 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ke
 
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up)."""
+    """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up).
+
+    Tensor parallelism (`column_parallel`, `row_parallel`): this rank holds a shard of the checkpoint's W.
+    Column-parallel: rows [start, start + length) of each fused slice (`output_shards[s]`); y is this rank's share of
+    every slice, left sharded; LoRA A whole, B sliced like W's rows. Row-parallel: columns `input_shard` of W;
+    x @ W_shard^T is a partial sum, and the LoRA expand (A sliced like W's columns, B whole) adds into it before the
+    one all-reduce, so the sum over ranks applies each adapter's scaling once; the bias is added on rank 0 only.
+    """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
                  kernels: KernelChoices):
@@ -52,9 +61,47 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
         self.kernels = kernels
+        self.tp: TensorParallel = SINGLE
+        self.full_output_sizes = list(output_sizes)      # each fused slice's rows in the checkpoint
+        self.output_shards: list[tuple[int, int]] | None = None   # column-parallel: (start, length) per slice
+        self.input_shard: tuple[int, int] | None = None           # row-parallel: (start, length) of in_features
+
+    @classmethod
+    def column_parallel(cls, in_features: int, output_sizes: list[int], shards: list[tuple[int, int]], bias: bool,
+                        dtype: torch.dtype, kernels: KernelChoices) -> "Linear":
+        """This rank's rows [start, start + length) of each fused slice of `output_sizes` (`shards`, one per
+        slice); no collective."""
+        linear = cls(in_features, [length for _, length in shards], bias, dtype, kernels)
+        linear.full_output_sizes, linear.output_shards = list(output_sizes), list(shards)
+        return linear
+
+    @classmethod
+    def row_parallel(cls, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                     kernels: KernelChoices, tp: TensorParallel) -> "Linear":
+        """This rank's even share of `in_features`; forward all-reduces over `tp` (nothing at world size 1)."""
+        start, length = tp.split(in_features, "Input size of a row-parallel projection")
+        linear = cls(length, output_sizes, bias, dtype, kernels)
+        linear.tp, linear.input_shard = tp, (start, length)
+        return linear
+
+    def full_shape(self, param: str) -> tuple[int, ...]:
+        """The shape of the whole checkpoint tensor `param` (weight or bias) this module holds a shard of."""
+        in_features = self.in_features if self.input_shard is None else self.input_shard[1] * self.tp.world_size
+        shape = (sum(self.full_output_sizes), in_features)
+        return shape if param == "weight" else shape[:1]
 
     def load_shard(self, param: str, shard: int | None, tensor: torch.Tensor) -> None:
-        """Copy a checkpoint tensor into the whole parameter (shard None) or into one output slice."""
+        """Copy a checkpoint tensor, this rank's shard of it, into the whole parameter (shard None: the whole
+        fused tensor, or an unfused one) or into one output slice."""
+        if self.output_shards is not None:
+            if shard is None:
+                for s, part in enumerate(tensor.split(self.full_output_sizes)):
+                    self.load_shard(param, s, part)
+                return
+            start, length = self.output_shards[shard]
+            tensor = tensor.narrow(0, start, length)
+        elif self.input_shard is not None and param == "weight":
+            tensor = tensor.narrow(1, *self.input_shard)
         target = getattr(self, param)
         if shard is not None:
             target = target[self.slice_offsets[shard]:self.slice_offsets[shard + 1]]
@@ -62,13 +109,29 @@ class Linear(nn.Module):
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
         target.copy_(tensor)
 
+    def shard_lora(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of one fused slice's LoRA: a [rank, in_features], b [slice rows, rank] of the whole
+        checkpoint projection -> (a, b) as this module's slot holds them (column-parallel: b's rows of the shard;
+        row-parallel: a's columns of the shard; whole otherwise)."""
+        if self.output_shards is not None:
+            return a, b.narrow(0, *self.output_shards[shard])
+        if self.input_shard is not None:
+            return a.narrow(1, *self.input_shard), b
+        return a, b
+
     def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
         # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
+        if self.tp.world_size == 1:
+            return self._forward(x, lora_info, self.bias)
+        y = self._forward(x, lora_info, self.bias if self.tp.rank == 0 else None)   # a partial sum
+        return self.tp.all_reduce(y)
+
+    def _forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None, bias: torch.Tensor | None) -> torch.Tensor:
         if self.lora is None or lora_info is None or lora_info.max_rank == 0:
-            return project(x, self.weight, self.bias, self.kernels)
+            return project(x, self.weight, bias, self.kernels)
         if x.is_cuda:
-            return self._forward_lora_cuda(x, lora_info, defer=False)[0]
-        y = F.linear(x, self.weight, self.bias)
+            return self._forward_lora_cuda(x, lora_info, defer=False, bias=bias)[0]
+        y = F.linear(x, self.weight, bias)
         w, info = self.lora, lora_info
         xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
                                    info.ranks_host, w.num_slices)
@@ -83,16 +146,18 @@ class Linear(nn.Module):
         is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
         the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
         large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, not a
-        CUDA-graph batch (LoRABatchInfo.overlap) or not a decode step."""
+        CUDA-graph batch (LoRABatchInfo.overlap), not a decode step, or a row-parallel shard at world size > 1 (its
+        delta would be a partial sum, to be added before the all-reduce)."""
         w = self.lora
-        if (w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda or w.lora_stream is None
-                or not lora_info.overlap or lora_info.max_seg_len != 1 or x.shape[0] > MAX_DEFERRED_TOKENS):
+        if (w is None or self.tp.world_size > 1 or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda
+                or w.lora_stream is None or not lora_info.overlap or lora_info.max_seg_len != 1
+                or x.shape[0] > MAX_DEFERRED_TOKENS):
             return self.forward(x, lora_info), None
-        return self._forward_lora_cuda(x, lora_info, defer=True)
+        return self._forward_lora_cuda(x, lora_info, defer=True, bias=self.bias)
 
-    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo, defer: bool) -> tuple[torch.Tensor,
-                                                                                           torch.Tensor | None]:
-        """Base GEMM and LoRA on the GPU; returns (y, delta), delta None unless `defer`.
+    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo, defer: bool,
+                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Base GEMM (with `bias`) and LoRA on the GPU; returns (y, delta), delta None unless `defer`.
 
         The base GEMM and the LoRA shrink both read only x, so with a side stream (CUDA-graph batches only:
         LoRABatchInfo.overlap) the shrink runs there while the GEMM runs. Deferred (decode steps), the expand
@@ -126,7 +191,7 @@ class Linear(nn.Module):
                 expand.lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
                                    w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False,
                                    **expand_kw)
-        y = project(x, self.weight, self.bias, self.kernels, beside_lora=side is not None)
+        y = project(x, self.weight, bias, self.kernels, beside_lora=side is not None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
         if not defer:

@@ -95,6 +95,10 @@ class SlotTable:
     def pinned(self) -> frozenset[AdapterRef]:
         return frozenset(self._pinned)
 
+    def residents(self) -> list[AdapterRef]:
+        """The adapters holding a slot, loaded or loading (at most num_slots)."""
+        return list(self._slots)
+
     def slot_of(self, ref: AdapterRef) -> int | None:
         return self._slots.get(ref)
 

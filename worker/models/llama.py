@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama 2/3.x, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
 
 Our own modules: fused qkv and gate_up projections, paged attention, LoRA on every projection. `kernels`
-(layers/kernel_choices.py) is handed to every layer that launches a kernel.
+(layers/kernel_choices.py) is handed to every layer that launches a kernel, `tp` (distributed/tensor_parallel.py) to
+every layer that holds a shard: qkv and gate_up column-parallel, o and down row-parallel (one all-reduce each),
+heads and KV heads split across ranks, embedding and LM head vocab-parallel.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from torch import nn
 
 from worker.batch import ForwardBatch
+from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.layers.attention import Attention
 from worker.layers.embedding import Embedding, LMHead
 from worker.layers.kernel_choices import KernelChoices
@@ -19,39 +22,51 @@ from worker.models.hf_config import ArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices):
+    """This rank's query heads (an even share) and KV heads (TensorParallel.kv_heads) of the attention."""
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = Linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], cfg.qkv_bias, dtype,
-                               kernels)
-        self.o_proj = Linear(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype, kernels)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, kernels)
+        d = cfg.head_dim
+        head_start, self.num_heads = tp.split(cfg.num_heads, "Total number of attention heads")
+        kv_start, self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv_shard = (kv_start * d, self.kv_size)
+        self.qkv_proj = Linear.column_parallel(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
+                                               [(head_start * d, self.q_size), kv_shard, kv_shard], cfg.qkv_bias,
+                                               dtype, kernels)
+        self.o_proj = Linear.row_parallel(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype, kernels, tp)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, rotary, kernels)
 
     def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [num_tokens, hidden] -> (o_proj output, its deferred LoRA delta or None)."""
-        c = self.cfg
+        c, q_size, kv_size = self.cfg, self.q_size, self.kv_size
         if self.q_norm is None:     # the qkv LoRA delta is added by the rotary + K/V write kernel
             qkv, qkv_delta = self.qkv_proj.forward_deferred(x, batch.lora)
         else:                       # q/k norms come first: the delta is added in place
             qkv, qkv_delta = self.qkv_proj(x, batch.lora), None
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)        # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, c.num_kv_heads, c.head_dim)     # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, c.head_dim)        # [num_tokens, this rank's heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, c.head_dim)     # [num_tokens, this rank's KV heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q, k, v, kv_cache, batch, qkv_delta)
-        return self.o_proj.forward_deferred(out.reshape(-1, c.q_size), batch.lora)
+        return self.o_proj.forward_deferred(out.reshape(-1, q_size), batch.lora)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices, intermediate_size: int = 0):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices, intermediate_size: int = 0,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         i = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [i, i], cfg.mlp_bias, dtype, kernels)
-        self.down_proj = Linear(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels)
+        shard = tp.split(i, "Intermediate size")
+        self.gate_up_proj = Linear.column_parallel(cfg.hidden_size, [i, i], [shard, shard], cfg.mlp_bias, dtype,
+                                                   kernels)
+        self.down_proj = Linear.row_parallel(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels, tp)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -71,9 +86,9 @@ class LlamaDecoderLayer(nn.Module):
     sparse MoE block (layers/moe.py)."""
 
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices,
-                 mlp: nn.Module):
+                 mlp: nn.Module, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, kernels)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, kernels, tp)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
@@ -103,20 +118,31 @@ class LlamaForCausalLM(nn.Module):
                     "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                     "down_proj": ("down_proj", 0)}
 
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int, kernels: KernelChoices):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int, kernels: KernelChoices,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
+        if cfg.is_moe and tp.world_size > 1:
+            raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet (MoE experts are not "
+                             "sharded); use --tensor-parallel-size 1")
+        tp.split(cfg.num_heads, "Total number of attention heads")     # refused first, in vLLM's words
+        self.cfg, self.tp = cfg, tp
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, kernels, self.build_mlp(i, dtype, kernels))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, kernels, self.build_mlp(i, dtype, kernels),
+                                                      tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype,
-                              self.embed_tokens if cfg.tie_word_embeddings else None, kernels)
+                              self.embed_tokens if cfg.tie_word_embeddings else None, kernels, tp)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (the KV pool's per-layer width): all of them at world size 1."""
+        return self.layers[0].self_attn.num_kv_heads
 
     def build_mlp(self, layer: int, dtype: torch.dtype, kernels: KernelChoices) -> nn.Module:
         """The MLP of decoder layer `layer` (MoE models override it)."""
-        return LlamaMLP(self.cfg, dtype, kernels)
+        return LlamaMLP(self.cfg, dtype, kernels, tp=self.tp)
 
     def lora_projections(self) -> list[tuple[int, str]]:
         """The (layer, fused projection) pairs that take LoRA, in slot-layout order (lora/slot_layout.py)."""

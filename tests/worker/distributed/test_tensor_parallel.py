@@ -1,0 +1,125 @@
+"""Tensor parallelism at the model level, on the CPU over gloo: the tiny Llama-family models sharded over 2 ranks
+(spawned with torch.multiprocessing, MASTER_ADDR=127.0.0.1) give the logits of the unsharded model within 1e-5
+(float32), prefill and decode, for the base model and for a batch mixing base rows with adapters of different
+ranks and targets (attention and MLP); 4 ranks over 2 KV heads replicate each head; dummy weights are the same
+model at every size."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.hf_fixtures import ADAPTERS, adapter_dir
+from tests.worker.distributed.tp_ranks import Case, build_model, free_port, model_logits, run_rank
+from worker.distributed.tensor_parallel import TensorParallel
+
+# base rows between adapter rows; adapter i is slot i (r4-qv, r8-all, r16-mlp-rs)
+MIXED_ROWS = ((9, None), (17, 0), (5, 1), (12, None), (20, 2), (7, 1), (3, None))
+BASE_ROWS = ((9, None), (17, None), (5, None))
+
+
+def tp_logits(case: Case, world_size: int, tmp_path) -> list[torch.Tensor]:
+    """Each rank's logits, the model sharded over `world_size` ranks."""
+    mp.spawn(run_rank, args=(world_size, free_port(), case, str(tmp_path)), nprocs=world_size, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+
+
+def assert_matches_tp1(case: Case, world_size: int, tmp_path) -> None:
+    expected = model_logits(case)
+    for rank, logits in enumerate(tp_logits(case, world_size, tmp_path)):
+        assert logits.shape == expected.shape
+        err = (logits - expected).abs().max().item()
+        assert err < 1e-5, f"rank {rank}: TP={world_size} logits differ from TP=1 by {err:.2e}"
+
+
+def adapters_of(model_dir) -> tuple[tuple[str, str], ...]:
+    return tuple((a.name, str(adapter_dir(model_dir, a.name))) for a in ADAPTERS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_logits_equal_tp1_for_a_batch_mixing_base_rows_and_adapters(hf_models, arch, tmp_path):
+    """llama: llama3 rope; qwen2: qkv bias, tied embeddings; qwen3: q/k norms. Adapters: q/v only, every
+    projection with per-module ranks and alphas, and k/o/MLP with rsLoRA."""
+    model_dir = hf_models[arch]
+    assert_matches_tp1(Case(str(model_dir), "auto", adapters_of(model_dir), MIXED_ROWS), 2, tmp_path)
+
+
+def test_tp2_logits_equal_tp1_for_the_base_model(hf_models, tmp_path):
+    assert_matches_tp1(Case(str(hf_models["llama"]), "auto", (), BASE_ROWS), 2, tmp_path)
+
+
+def test_tp4_replicates_kv_heads_and_matches_tp1(hf_models, tmp_path):
+    """2 KV heads over 4 ranks: ranks 0, 1 hold head 0, ranks 2, 3 head 1; vocab 320 in slices of 80."""
+    model_dir = hf_models["llama"]
+    assert_matches_tp1(Case(str(model_dir), "auto", adapters_of(model_dir), MIXED_ROWS[:4]), 4, tmp_path)
+
+
+def test_dummy_weights_are_the_same_model_at_every_tp_size(hf_models, tmp_path):
+    assert_matches_tp1(Case(str(hf_models["qwen3"]), "dummy", (), BASE_ROWS), 2, tmp_path)
+
+
+def test_adapters_change_the_logits(hf_models):
+    """Guards the comparisons above: the adapter rows would pass them with LoRA dropped on both sides."""
+    model_dir = hf_models["llama"]
+    with_lora = model_logits(Case(str(model_dir), "auto", adapters_of(model_dir), MIXED_ROWS))
+    base = model_logits(Case(str(model_dir), "auto", (), tuple((n, None) for n, _ in MIXED_ROWS)))
+    rows = len(MIXED_ROWS)
+    for step in range(2):
+        for i, (_, adapter) in enumerate(MIXED_ROWS):
+            diff = (with_lora[step * rows + i] - base[step * rows + i]).abs().max().item()
+            assert (diff > 1e-2) == (adapter is not None), f"row {i}, step {step}: {diff:.2e}"
+
+
+def test_each_rank_loads_its_share_of_the_checkpoint(hf_models):
+    """Rank 2 of 4 (no collective is needed to build and load): heads 2 of 4, KV head 1 of 2, intermediate columns
+    [56, 84) of 112, vocab rows [160, 240) of 320, read from the checkpoint's tensors."""
+    from safetensors.torch import load_file
+    model_dir = hf_models["llama"]
+    whole = {k.removeprefix("model."): v for k, v in load_file(model_dir / "model.safetensors").items()}
+    model = build_model(Case(str(model_dir), "auto", (), ()), TensorParallel(rank=2, world_size=4))
+    attn, mlp, d = model.layers[1].self_attn, model.layers[1].mlp, model.cfg.head_dim
+    assert (attn.num_heads, attn.num_kv_heads, model.num_kv_heads) == (1, 1, 1)
+    q, k, v = attn.qkv_proj.weight.split([d, d, d])
+    assert torch.equal(q, whole["layers.1.self_attn.q_proj.weight"][2 * d:3 * d])
+    assert torch.equal(k, whole["layers.1.self_attn.k_proj.weight"][d:2 * d])
+    assert torch.equal(v, whole["layers.1.self_attn.v_proj.weight"][d:2 * d])
+    assert torch.equal(attn.o_proj.weight, whole["layers.1.self_attn.o_proj.weight"][:, 2 * d:3 * d])
+    gate, up = mlp.gate_up_proj.weight.split([28, 28])
+    assert torch.equal(gate, whole["layers.1.mlp.gate_proj.weight"][56:84])
+    assert torch.equal(up, whole["layers.1.mlp.up_proj.weight"][56:84])
+    assert torch.equal(mlp.down_proj.weight, whole["layers.1.mlp.down_proj.weight"][:, 56:84])
+    assert torch.equal(model.embed_tokens.weight, whole["embed_tokens.weight"][160:240])
+    assert torch.equal(model.lm_head.weight, whole["lm_head.weight"][160:240])
+
+
+def test_vocab_not_divisible_by_the_ranks_is_padded_on_the_last_rank():
+    from worker.layers.embedding import Embedding
+    emb = Embedding(10, 4, torch.float32, TensorParallel(rank=3, world_size=4))
+    whole = torch.arange(40, dtype=torch.float32).view(10, 4)
+    emb.load_shard("weight", None, whole)
+    assert emb.vocab_start == 9 and emb.weight.shape == (3, 4)
+    assert torch.equal(emb.weight, torch.cat([whole[9:], torch.zeros(2, 4)]))
+
+
+def test_heads_not_divisible_by_the_ranks_are_refused(hf_models):
+    with pytest.raises(ValueError, match=r"Total number of attention heads \(4\) must be divisible by tensor "
+                                         r"parallel size \(3\)"):
+        build_model(Case(str(hf_models["llama"]), "auto", (), ()), TensorParallel(rank=0, world_size=3))
+
+
+def test_tp2_row_parallel_biases_are_added_once(tmp_path):
+    """Llama with attention and MLP biases (o_proj and down_proj biases added on rank 0 only), tied embeddings,
+    8 heads over 2 KV heads."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.1, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(tmp_path / "biased")
+    (tmp_path / "ranks").mkdir()
+    assert_matches_tp1(Case(str(tmp_path / "biased"), "auto", (), BASE_ROWS), 2, tmp_path / "ranks")
