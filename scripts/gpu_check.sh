@@ -3,7 +3,8 @@
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
 #   [serve-prefix] [hf] [gateway]
-# Logs and JSON go to $OUT.
+# Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
+# into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -127,3 +128,6 @@ for stage in $stages; do
   echo "$stage: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done
 tail -5 "$OUT"/tests.log 2>/dev/null
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then      # the device tool brings back at most 8 files
+  tar czf /tmp/gpu_check.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/gpu_check.tgz "$OUT/"
+fi
