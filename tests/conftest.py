@@ -29,3 +29,18 @@ def hf_moe_models(tmp_path_factory) -> dict[str, Path]:
     each with the attention-only adapters of tests.hf_fixtures.MOE_ADAPTERS beside it."""
     root = tmp_path_factory.mktemp("hf_moe")
     return {arch: build_hf_moe_model(arch, root) for arch in ("qwen3_moe", "mixtral", "qwen2_moe")}
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The embedded demo (worker/demo.py): its model, tokenizer and adapters, built once into the cache (the e2e
+    tests' conftest has its own, in a temporary directory)."""
+    from worker.demo import build_demo
+    return build_demo()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(demo):
+    """The demo's tokenizer, for decoding engine outputs."""
+    import tokenizers
+    return tokenizers.Tokenizer.from_file(str(demo.model_dir / "tokenizer.json"))

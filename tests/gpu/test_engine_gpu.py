@@ -66,6 +66,16 @@ def run(engine: Engine, rows=ROWS, capture_logits=False, steps: list | None = No
     return tokens, logits
 
 
+def assert_rows_track_hf(model_dir, rows, tokens, logits, label: str) -> None:
+    """Every row's logits along its greedy tokens track HF+PEFT's (hf_compare.assert_bf16_tracks_hf)."""
+    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(rows), rows)):
+        path = None if adapter is None else adapter_dir(model_dir, adapter)
+        refs = [hf_teacher_forced(model_dir, path, prompt, tokens[f"r{i}"], dtype) for dtype in (torch.float32,
+                                                                                               torch.bfloat16)]
+        print(assert_bf16_tracks_hf(torch.stack(logits[f"r{i}"]), tokens[f"r{i}"], *refs,
+                                    f"{label} row {i} ({adapter})"))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["cublas-batch", "gemv-batch"])
@@ -80,12 +90,7 @@ def test_bf16_matches_hf_peft(hf_models, arch, enforce_eager, num_rows):
     tokens, logits = run(engine, rows, capture_logits=True)
     if not enforce_eager:      # the prompts ran in a mixed-batch graph, the decode steps in decode graphs
         assert engine.runner.graph_runner.replays["mixed"] >= 1 and engine.runner.graph_runner.replays["decode"] > 1
-    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), rows)):
-        path = None if adapter is None else adapter_dir(model_dir, adapter)
-        refs = [hf_teacher_forced(model_dir, path, prompt, tokens[f"r{i}"], dtype) for dtype in (torch.float32,
-                                                                                               torch.bfloat16)]
-        print(assert_bf16_tracks_hf(torch.stack(logits[f"r{i}"]), tokens[f"r{i}"], *refs,
-                                    f"{arch} eager={enforce_eager} row {i} ({adapter})"))
+    assert_rows_track_hf(model_dir, rows, tokens, logits, f"{arch} eager={enforce_eager}")
 
 
 # rows sharing two adapters (and the base): decode batches average >= 2 rows per adapter run
@@ -101,12 +106,7 @@ def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
     engine = make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(grouped_lora_min_rows=4))
     tokens, logits = run(engine, SHARED_ROWS, capture_logits=True)
     assert engine.runner.graph_runner.replays["grouped"] >= NUM_STEPS - 2
-    for i, (prompt, (_, adapter)) in enumerate(zip(prompts(SHARED_ROWS), SHARED_ROWS)):
-        path = None if adapter is None else adapter_dir(model_dir, adapter)
-        refs = [hf_teacher_forced(model_dir, path, prompt, tokens[f"r{i}"], dtype) for dtype in (torch.float32,
-                                                                                               torch.bfloat16)]
-        print(assert_bf16_tracks_hf(torch.stack(logits[f"r{i}"]), tokens[f"r{i}"], *refs,
-                                    f"{arch} grouped row {i} ({adapter})"))
+    assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, f"{arch} grouped")
 
 
 @pytest.mark.parametrize("num_rows,chunk", [(len(ROWS), None), (2, None), (len(ROWS), 24)],

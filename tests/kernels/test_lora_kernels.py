@@ -201,6 +201,42 @@ def test_expand_matches_per_token_reference(dtype, widths, scenario):
     assert torch.equal(y[untouched], y0[untouched]), "base-only rows and rows in no segment must be untouched"
 
 
+@dataclass
+class QKVProblem:
+    """One qkv projection's LoRA inputs for a scenario: the kernels' operands in `dtype`."""
+    batch: Batch
+    ns: int                       # slices
+    offsets: list[int]
+    x: torch.Tensor               # [tokens, IN_DIM]
+    a: torch.Tensor               # [NUM_SLOTS, ns * R, IN_DIM]
+    y0: torch.Tensor              # [tokens, out]
+    b: torch.Tensor               # [NUM_SLOTS, out, R]
+    scalings: torch.Tensor
+
+
+def _qkv_problem(scenario: str, dtype: torch.dtype, seed: int) -> QKVProblem:
+    gen = torch.Generator().manual_seed(seed)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    widths = SLICE_WIDTHS["qkv"]
+    ns, R = len(widths), batch.max_rank
+    x = _randn(batch.num_tokens, IN_DIM, gen=gen).to(dtype)
+    a = _randn(NUM_SLOTS, ns * R, IN_DIM, gen=gen, scale=IN_DIM ** -0.5).to(dtype)
+    y0, _, b, scalings = _expand_inputs(batch, widths, gen)
+    return QKVProblem(batch, ns, _offsets(widths), x, a, y0.to(dtype), b.to(dtype), scalings)
+
+
+def _assert_delta_matches_reference(y: torch.Tensor, p: QKVProblem, dtype: torch.dtype) -> torch.Tensor:
+    """y (the kernels' y0 + delta) against worker/kernels/reference.py in float32; returns the reference xa.
+    xa is rounded to dtype before the expand: the tolerance allows that rounding on top of the output's own."""
+    expected = p.y0.float()
+    host = (p.batch.seg_indptr, p.batch.slots, p.batch.slot_ranks)
+    xa_ref = reference.lora_shrink(p.x.float(), p.a.float(), *host, p.ns)
+    reference.lora_expand(expected, xa_ref, p.b.float(), *host, p.scalings, p.offsets)
+    tol = 2 * TOL[dtype]
+    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    return xa_ref
+
+
 @pytest.mark.parametrize("scenario", ["decode-distinct-ranks4+16", "decode-graph-padded", "decode-zipf-R128",
                                       "prefill-zipf-ranks4+16"])
 @pytest.mark.parametrize("widths", SLICE_WIDTHS.values(), ids=SLICE_WIDTHS.keys())
@@ -249,28 +285,13 @@ def test_expand_reads_slice_offsets_from_device_tensor_like_tuple(widths):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shrink_then_expand_match_reference_module(dtype, scenario):
     """The kernels and worker/kernels/reference.py (run in float32) agree on the whole LoRA delta."""
-    gen = torch.Generator().manual_seed(4)
-    batch = _make_batch(SCENARIOS[scenario], gen)
-    widths = SLICE_WIDTHS["qkv"]
-    ns, R, offsets = len(widths), batch.max_rank, _offsets(widths)
-    x = _randn(batch.num_tokens, IN_DIM, gen=gen).to(dtype)
-    a = _randn(NUM_SLOTS, ns * R, IN_DIM, gen=gen, scale=IN_DIM ** -0.5).to(dtype)
-    y0, _, b, scalings = _expand_inputs(batch, widths, gen)
-    y0, b = y0.to(dtype), b.to(dtype)
-    y = y0.clone()
-    meta = batch.device_metadata()
+    p = _qkv_problem(scenario, dtype, seed=4)
+    batch, meta, y = p.batch, p.batch.device_metadata(), p.y0.clone()
 
-    xa = lora_shrink(x, a, *meta, ns, batch.num_segments, batch.max_seg_len)
-    lora_expand(y, xa, b, *meta, scalings, offsets, batch.num_segments, batch.max_seg_len)
+    xa = lora_shrink(p.x, p.a, *meta, p.ns, batch.num_segments, batch.max_seg_len)
+    lora_expand(y, xa, p.b, *meta, p.scalings, p.offsets, batch.num_segments, batch.max_seg_len)
 
-    expected = y0.float()
-    host = (batch.seg_indptr, batch.slots, batch.slot_ranks)
-    xa_ref = reference.lora_shrink(x.float(), a.float(), *host, ns)
-    reference.lora_expand(expected, xa_ref, b.float(), *host, scalings, offsets)
-    # xa is rounded to dtype before expand: allow that rounding on top of the output's own
-    tol = 2 * TOL[dtype]
-    magnitude = expected.abs().max().item()
-    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol * magnitude)
+    _assert_delta_matches_reference(y, p, dtype)
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
@@ -282,16 +303,8 @@ def test_split_k_and_host_tile_map_give_the_reference_result(dtype, scenario, ti
     """Shrink partial sums over split_k ranges of K (float32, added up by the expand) and row tiles read from
     the host's map (tiles.host_tile_map, the decode graphs' grouped rows) give the reference's delta."""
     from worker.kernels.tile_map import host_tile_map, max_tiles
-    gen = torch.Generator().manual_seed(6)
-    batch = _make_batch(SCENARIOS[scenario], gen)
-    widths = SLICE_WIDTHS["qkv"]
-    ns, R, offsets = len(widths), batch.max_rank, _offsets(widths)
-    x = _randn(batch.num_tokens, IN_DIM, gen=gen).to(dtype)
-    a = _randn(NUM_SLOTS, ns * R, IN_DIM, gen=gen, scale=IN_DIM ** -0.5).to(dtype)
-    y0, _, b, scalings = _expand_inputs(batch, widths, gen)
-    y0, b = y0.to(dtype), b.to(dtype)
-    y = y0.clone()
-    meta = batch.device_metadata()
+    p = _qkv_problem(scenario, dtype, seed=6)
+    batch, meta, y = p.batch, p.batch.device_metadata(), p.y0.clone()
     max_seg_len = max(batch.max_seg_len, 2)
     shrink_cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
     expand_cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=32, num_warps=4, num_stages=1)
@@ -300,21 +313,16 @@ def test_split_k_and_host_tile_map_give_the_reference_result(dtype, scenario, ti
         num_tiles = max_tiles(batch.num_tokens, batch.num_segments, 16)
         tiles = torch.tensor(host_tile_map(batch.seg_indptr, 16, num_tiles), dtype=torch.int32, device=DEVICE)
 
-    xa = lora_shrink(x, a, *meta, ns, batch.num_segments, max_seg_len, config=shrink_cfg, split_k=split_k,
+    xa = lora_shrink(p.x, p.a, *meta, p.ns, batch.num_segments, max_seg_len, config=shrink_cfg, split_k=split_k,
                      tile_map=tiles)
-    lora_expand(y, xa, b, *meta, scalings, offsets, batch.num_segments, max_seg_len, config=expand_cfg,
+    lora_expand(y, xa, p.b, *meta, p.scalings, p.offsets, batch.num_segments, max_seg_len, config=expand_cfg,
                 tile_map=tiles)
 
-    expected = y0.float()
-    host = (batch.seg_indptr, batch.slots, batch.slot_ranks)
-    xa_ref = reference.lora_shrink(x.float(), a.float(), *host, ns)
+    xa_ref = _assert_delta_matches_reference(y, p, dtype)
     if split_k > 1:
-        assert xa.shape == (split_k, batch.num_tokens, ns * R) and xa.dtype == torch.float32
+        assert xa.shape == (split_k, batch.num_tokens, p.ns * batch.max_rank) and xa.dtype == torch.float32
         rows = [t for lo, hi in zip(batch.seg_indptr, batch.seg_indptr[1:]) for t in range(lo, hi)]
         _assert_close(xa.sum(0)[rows], xa_ref[rows], torch.float32 if dtype == torch.float32 else torch.float16)
-    reference.lora_expand(expected, xa_ref, b.float(), *host, scalings, offsets)
-    tol = 2 * TOL[dtype]
-    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
 # launch configs as the kernels' default_config() gives them: a GEMV (one row) and tensor-core tiles

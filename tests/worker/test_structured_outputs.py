@@ -4,25 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
-import tokenizers
 
 from tests.structured_cases import CLOSERS, REGEX, SCHEMAS, SPECS, check
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from worker.demo import ADAPTERS, build_demo
+from worker.demo import ADAPTERS
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams, StructuredOutput
 
 ADAPTER_NAMES = [None] + [a.name for a in ADAPTERS[:2]]
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return build_demo()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(demo):
-    return tokenizers.Tokenizer.from_file(str(demo.model_dir / "tokenizer.json"))
 
 
 def make_engine(demo, async_scheduling: bool = True) -> Engine:
