@@ -95,8 +95,9 @@ for stage in $stages; do
              done
              (exit $failed) ;;
     serve-prefix)   # prefix caching: the chat preset's TTFT and the no-shared-prefix throughput, caching on and off
+             # PREFIX_PRESETS: which of the two (default both)
              failed=0
-             for preset in chat-shared-prefix chat-no-shared-prefix; do
+             for preset in ${PREFIX_PRESETS:-chat-shared-prefix chat-no-shared-prefix}; do
                SERVE_TIMEOUT=420 serve_preset $preset || failed=1
                SERVE_TIMEOUT=420 serve_preset $preset -nocache --no-enable-prefix-caching || failed=1
              done
