@@ -63,6 +63,13 @@ def plugin_commands() -> dict[str, EntryPoint]:
     return {command.name: command for command in entry_points(group=COMMANDS_GROUP)}
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_serving_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--tokenizer", help="tokenizer directory; default: the model directory")
@@ -103,11 +110,17 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
     add("--tool-call-parser", choices=("hermes",), help="how tool calls are read from the model's output: "
         "hermes, the <tool_call>{json}</tool_call> blocks of Hermes and Qwen models")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+        help="GPUs the model is sharded over (one worker process each, NCCL; gloo with --device cpu)")
     add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "half", "float"), default="auto")
     add("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
     add("--enforce-eager", action="store_true", help="no CUDA graphs")
     add("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
         help="schedule the next step while the current one runs on the device (default on)")
+    add("--late-launch", action=argparse.BooleanOptionalAction, default=True,
+        help="with async scheduling on a GPU, take in requests until just before the running step ends and only "
+             "then schedule the next one, so requests arriving meanwhile join it; --no-late-launch schedules the "
+             "next step as soon as the previous step's tokens are read (default on)")
     add("--seed", type=int, default=ModelConfig.seed)
     add("--host", help="default: all interfaces")
     add("--port", type=int, default=8000)

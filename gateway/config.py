@@ -75,10 +75,12 @@ class GatewayConfig:
     tool_call_parser: str | None = None            # "hermes" (gateway/tool_calls.py)
     max_logprobs: int = 20
     device: str = "auto"
+    tensor_parallel_size: int = 1
     dtype: str = ModelConfig.dtype
     load_format: str = ModelConfig.load_format
     enforce_eager: bool = False
     async_scheduling: bool = True
+    late_launch: bool = True                       # WorkerConfig.late_launch
     seed: int = ModelConfig.seed
     host: str | None = None
     port: int = 8000
@@ -106,8 +108,8 @@ class GatewayConfig:
                             lora_eviction_policy=self.lora_eviction_policy, lora_dirs=self.lora_dirs),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens),
-            device=self.device,
-            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling,
+            device=self.device, tensor_parallel_size=self.tensor_parallel_size,
+            enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling, late_launch=self.late_launch,
         )
 
     @classmethod
@@ -127,8 +129,9 @@ class GatewayConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-            device=args.device, dtype=args.dtype, load_format=args.load_format,
-            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, seed=args.seed,
+            device=args.device, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, load_format=args.load_format,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, late_launch=args.late_launch,
+            seed=args.seed,
             host=args.host, port=args.port,
             api_key=args.api_key, uvicorn_log_level=args.uvicorn_log_level,
             shutdown_timeout=args.shutdown_timeout,

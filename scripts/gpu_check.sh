@@ -2,7 +2,7 @@
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
-#   [serve-prefix] [hf] [gateway]
+#   [serve-prefix] [serve-late] [tp] [hf] [gateway]
 # Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
 # into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
@@ -85,6 +85,30 @@ for stage in $stages; do
              timeout 1200 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --num-loras 64 --warmup 16 \
                --out "$OUT/sweep.json" ${SWEEP_ARGS:-} >> "$OUT/sweep.log" 2>&1
              rc=$?; kill $pid; wait $pid; (exit $rc) ;;
+    tp)      # tensor parallelism (2 GPUs): its GPU tests, the all-reduce bench, then 8B TP=1 and TP=2 servers side by
+             # side: 1 and 32 streams, base and 32 distinct adapters (TPOT p50 is the decode step)
+             # TP_TESTS=0 / TP_BENCH=0 skip the tests / the all-reduce bench; TP_SIZES: the servers (default "2 1")
+             failed=0
+             if [ "${TP_TESTS:-1}" = 1 ]; then
+               timeout 400 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py \
+                 tests/gpu/test_tensor_parallel_gpu.py > "$OUT/tp_tests.log" 2>&1 || failed=1
+             fi
+             if [ "${TP_BENCH:-1}" = 1 ]; then
+               timeout 200 python3 -m bench.all_reduce --check --out "$OUT/all_reduce.json" > "$OUT/all_reduce.log" 2>&1 || failed=1
+             fi
+             [ -d /tmp/tok-128256 ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok-128256
+             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-tp --num 32 --rank 16 > /dev/null 2>&1
+             for tp in ${TP_SIZES:-2 1}; do
+               python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \
+                 --port 8100 --uvicorn-log-level warning --max-loras 32 --tensor-parallel-size $tp \
+                 --lora-modules $(for a in /tmp/adapters-tp/*; do echo "${a##*/}=$a"; done) >> "$OUT/tp_serve.log" 2>&1 &
+               pid=$!
+               for _ in $(seq 240); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
+               timeout 300 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --concurrency 1 32 --adapters base many \
+                 --num-loras 32 --warmup 8 --output-len 128 --out "$OUT/tp$tp.json" >> "$OUT/tp_serve.log" 2>&1 || failed=1
+               kill $pid; wait $pid
+             done
+             (exit $failed) ;;
     slora)   failed=0
              for preset in slora-8 slora-100 slora-1000; do SERVE_TIMEOUT=420 serve_preset $preset || failed=1; done
              (exit $failed) ;;
@@ -101,6 +125,11 @@ for stage in $stages; do
                SERVE_TIMEOUT=420 serve_preset $preset || failed=1
                SERVE_TIMEOUT=420 serve_preset $preset -nocache --no-enable-prefix-caching || failed=1
              done
+             (exit $failed) ;;
+    serve-late)   # late launch: chat-shared-prefix (caching on) with --late-launch, then --no-late-launch
+             failed=0
+             SERVE_TIMEOUT=420 serve_preset chat-shared-prefix -late || failed=1
+             SERVE_TIMEOUT=420 serve_preset chat-shared-prefix -nolate --no-late-launch || failed=1
              (exit $failed) ;;
     hf)      python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters --num 6 --rank 16 > /dev/null 2>&1
              timeout 200 python3 -m bench.hf_baseline --model $MODEL --load-format dummy --lora-dir /tmp/adapters \

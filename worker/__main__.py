@@ -12,6 +12,7 @@ import multiprocessing
 import select
 import signal
 import sys
+import time
 from typing import Any, Callable
 
 import msgspec
@@ -74,24 +75,46 @@ class Worker:
             self._unnotified = False
 
     def serve(self, engine: EngineInterface) -> None:
-        """Run until Shutdown: drain requests, step the engine while it has work, sleep when idle."""
+        """Run until Shutdown: drain requests, step the engine while it has work, sleep when idle. Between two
+        steps, while the engine's launch_delay lasts, messages are applied as they arrive."""
         while True:
-            self._inbound.clear_wakeup()
-            if self._inbound.peer_closed:
-                raise GatewayGone()
-            for frame in self._inbound.get_many():
-                if not self._handle(engine, self._decoder.decode(frame)):
-                    return
+            if not self._drain(engine):
+                return
             if engine.has_unfinished():
                 self.send_outputs(engine.step())
             self._send_stats_if_changed(engine)
             self.flush()
             if not engine.has_unfinished():
                 self._block_on(self._inbound)
+            elif not self._serve_until(time.monotonic() + engine.launch_delay(), engine):
+                return
 
     def close(self) -> None:
         self._inbound.close()
         self._outbound.close()
+
+    def _drain(self, engine: EngineInterface) -> bool:
+        """Apply every message on the inbound ring; False on Shutdown."""
+        self._inbound.clear_wakeup()
+        if self._inbound.peer_closed:
+            raise GatewayGone()
+        for frame in self._inbound.get_many():
+            if not self._handle(engine, self._decoder.decode(frame)):
+                return False
+        return True
+
+    def _serve_until(self, deadline: float, engine: EngineInterface) -> bool:
+        """Apply messages as they arrive until `deadline` (time.monotonic()); False on Shutdown. Raises
+        GatewayGone if the gateway exits meanwhile."""
+        while (timeout := deadline - time.monotonic()) > 0.0:
+            readable, _, _ = select.select([self._inbound.wakeup_fd, self._parent_sentinel], [], [], timeout)
+            if self._parent_sentinel in readable:
+                raise GatewayGone()
+            if readable:
+                if not self._drain(engine):
+                    return False
+                self.flush()
+        return True
 
     def _handle(self, engine: EngineInterface, message: ToWorker) -> bool:
         """Apply one gateway message; False on Shutdown."""

@@ -80,11 +80,16 @@ class KernelConfig:
                                       # grouped by adapter (cuda_graph.py), replayed when rows share adapters (0: never)
     lora_tile_map_max_tokens: int = 1024  # mixed-batch graphs of at most this many tokens run LoRA over 16-row tiles
                                           # from the host's tile map, K split in the shrink (0: none)
+    one_shot_all_reduce_bytes: int = 4 << 20   # tensor parallelism: all-reduces up to this size sum over NVLink
+                                               # peer memory in one shot (distributed/all_reduce.py); NCCL above (0: all)
 
     def __post_init__(self):
         if self.grouped_lora_min_rows < 0 or self.lora_tile_map_max_tokens < 0:
             raise ValueError(f"grouped_lora_min_rows and lora_tile_map_max_tokens must be >= 0 (0: never), got "
                              f"{self.grouped_lora_min_rows} and {self.lora_tile_map_max_tokens}")
+        if self.one_shot_all_reduce_bytes < 0:
+            raise ValueError(f"one_shot_all_reduce_bytes must be >= 0 (0: NCCL for every all-reduce), got "
+                             f"{self.one_shot_all_reduce_bytes}")
         if self.gemv_row_limit < 0 or self.skinny_row_limit < 0:
             raise ValueError(f"gemv_row_limit and skinny_row_limit must be >= 0 (0 turns the kernel off), got "
                              f"{self.gemv_row_limit} and {self.skinny_row_limit}")
@@ -98,8 +103,12 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     device: str = "auto"          # auto | cpu | cuda
+    tensor_parallel_size: int = 1  # ranks the model is sharded over: this process and N - 1 followers, GPU r each
     enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)
     async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
+    # with async scheduling on a GPU: the worker takes in requests until just before the step on the device ends,
+    # then schedules the next one, so requests arriving meanwhile join it (worker/launch_pacer.py)
+    late_launch: bool = True
     # CUDA graphs for batches with prefill tokens, up to this many tokens (capped by max_num_batched_tokens, so
     # by default every step the budget allows replays a graph); 0: such batches run eagerly (decode batches
     # still replay graphs unless enforce_eager)

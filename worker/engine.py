@@ -22,8 +22,11 @@ import torch
 
 from worker.batch import ScheduledBatch
 from worker.config import WorkerConfig
+from worker.distributed.group import FollowerRanks
+from worker.distributed.tensor_parallel import SINGLE
 from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
+from worker.launch_pacer import LaunchPacer, StepShape
 from worker.lora.host_cache import HostCache
 from worker.lora.loader import AdapterLoader
 from worker.lora.loads import AdapterLoads, FailedLoad
@@ -73,13 +76,18 @@ class Engine:
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = list(self.arch.eos_token_ids)
-        self.runner = ModelRunner(config, self.arch, self.device, self.dtype, self.max_model_len)
+        self.followers = (FollowerRanks(config, self.device, self.dtype, self.max_model_len)
+                          if config.tensor_parallel_size > 1 else None)     # the other tensor-parallel ranks
+        self.runner = ModelRunner(config, self.arch, self.device, self.dtype, self.max_model_len,
+                                  tp=self.followers.tp if self.followers else SINGLE, followers=self.followers)
         self.num_kv_blocks = self.runner.num_kv_blocks
         lora = config.lora
         host_cache = HostCache(lora.max_cpu_loras)
         reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
-                              read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1)
-        loader = AdapterLoader(reader, host_cache, lora.lora_load_workers)
+                              read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1,
+                              shard=self.runner.model)
+        loader = AdapterLoader(reader, host_cache, lora.lora_load_workers,
+                               on_read=self.followers.read if self.followers else None)
         slots = SlotTable(lora.max_loras, lora.lora_eviction_policy)
         prefetcher = (Prefetcher(slots, host_cache, loader, window=max(2 * lora.max_loras, 8),
                                  max_reads=2 * lora.lora_load_workers)
@@ -88,10 +96,14 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher,
                                    enable_prefix_caching=config.cache.enable_prefix_caching)
         self.adapters = AdapterRegistry(lora, self.arch, slots, host_cache, loader)
-        self.loads = AdapterLoads(loader, host_cache, self.runner.lora_pool, slots, self.adapters)
+        self.loads = AdapterLoads(loader, host_cache, self.runner.lora_pool, slots, self.adapters,
+                                  on_load=self.followers.load if self.followers else None)
         self.structured = StructuredOutputs(config.model.tokenizer or config.model.path, self.vocab_size,
                                             self.eos_token_ids, self.device)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
+        # times the launches for the worker loop (launch_delay); only where the host runs ahead of a device
+        paced = config.late_launch and config.async_scheduling and self.device.type == "cuda"
+        self._pacer = LaunchPacer(self._shape) if paced else None
         self._arrivals = itertools.count()
         logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads, prefix caching %s",
                     self.arch.architecture, self.device, self.dtype, self.num_kv_blocks,
@@ -185,11 +197,14 @@ class Engine:
 
         With async scheduling, the batch is launched while the previous one may still run on the
         device, and the previous batch's tokens are read back after that launch: the host schedules
-        and prepares step N+1 while the device computes step N, and step() returns step N's tokens.
+        and prepares step N+1 while the device computes step N, and step() returns step N's tokens
+        (launch_delay: how long the worker may take in messages before the next call).
         When nothing can run while an adapter load or a grammar compile is in flight, waits for it (up to
         IDLE_LOAD_WAIT_S) instead of returning empty-handed at once. A batch with a constrained row files the
         previous step's tokens between its forward pass and its sampling (_execute)."""
         outputs: list[RequestOutput] = []
+        if self._pacer is not None:
+            self._pacer.step_began()
         deadline = time.monotonic() + IDLE_LOAD_WAIT_S
         while (batch := self._schedule(outputs)).is_empty:
             if self._in_flight is not None:
@@ -199,6 +214,8 @@ class Engine:
         self.loads.join(batch.lora_slots)
         prev = None if self._in_flight is None else self._in_flight[1]
         launched = (batch, self._execute(batch, prev, outputs))
+        if self._pacer is not None:
+            self._pacer.launched(batch, copying=self.loads.num_in_flight > 0)
         outputs += self._launched(batch)
         if self._in_flight is not None:
             outputs += self._file_tokens()
@@ -206,6 +223,15 @@ class Engine:
         if not self.config.async_scheduling:
             outputs += self._file_tokens()
         return outputs
+
+    def launch_delay(self) -> float:
+        """Seconds the worker loop may take in messages before the next step() and still launch it before the
+        step on the device ends (worker/launch_pacer.py); 0.0: step now."""
+        return 0.0 if self._pacer is None else self._pacer.delay()
+
+    def _shape(self, batch: ScheduledBatch) -> StepShape:
+        graphs = self.runner.graph_runner
+        return StepShape.of(batch, None if graphs is None else graphs.shape_for(batch))
 
     def _execute(self, batch: ScheduledBatch, prev: StepHandle | None, outputs: list[RequestOutput]) -> StepHandle:
         """Launch the batch. With a constrained row, the forward pass is launched first; then, if such a row's
@@ -238,6 +264,8 @@ class Engine:
     def _file_tokens(self) -> list[RequestOutput]:
         """Wait for the batch in flight and file its tokens with the scheduler."""
         (batch, handle), self._in_flight = self._in_flight, None
+        if self._pacer is not None:
+            self._pacer.wait_oldest()
         result = handle.result()
         sampled = [s.request for s in batch.seqs if s.samples]
         outputs = [self._fail_nonfinite(sampled[row]) for row in result.nonfinite_rows

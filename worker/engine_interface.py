@@ -32,6 +32,11 @@ class EngineInterface(Protocol):
     def step(self) -> list[RequestOutput]:
         """One step of every running request; the outputs it produced."""
 
+    def launch_delay(self) -> float:
+        """Seconds the worker loop may take in messages before the next step() without the device waiting for
+        it; 0.0 (this default): step now."""
+        return 0.0
+
     @abstractmethod
     def has_unfinished(self) -> bool:
         """Whether any request is running or waiting."""

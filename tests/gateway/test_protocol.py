@@ -173,6 +173,12 @@ def test_serve_defaults_name_the_model_by_its_path(monkeypatch):
     assert worker.async_scheduling and not worker.enforce_eager
 
 
+@pytest.mark.parametrize("flags, late_launch", [([], True), (["--late-launch"], True), (["--no-late-launch"], False)])
+def test_late_launch_flag_reaches_the_worker(flags, late_launch):
+    config = GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m", *flags]))
+    assert config.late_launch is late_launch and config.worker_config().late_launch is late_launch
+
+
 def test_bad_flag_value_exits_with_usage_error():
     with pytest.raises(SystemExit) as caught:
         build_parser().parse_args(["serve", "--model", "/m", "--lora-modules", "nonsense"])

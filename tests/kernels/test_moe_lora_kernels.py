@@ -298,6 +298,40 @@ def test_hooks_in_a_moe_block_match_reference_moe_lora_experts(scenario, strateg
     _assert_close(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_ranks_share_of_the_intermediate_size_sums_to_the_whole_block(world_size):
+    """Tensor parallelism (layers/moe.py): the experts and their LoRA cut to each rank's share of I (gate and up
+    rows of gate_up and of gate_up_b, columns of down and of down_a), each rank's fused_moe run in a MoEWorkspace
+    sized I / world_size (model.moe_intermediate_size_per_rank); the ranks' partial outputs sum to
+    reference.moe_lora_experts of the whole block (float32)."""
+    from worker.kernels.moe import MoEWorkspace, fused_moe
+    gen = torch.Generator().manual_seed(13)
+    shape = _cpu_shape(8)
+    w, ranks = _slot_pool(shape, torch.float32, gen)
+    sc = SCENARIOS["T40-uniform-base"]
+    slots = _token_slots(sc, len(shape.slot_ranks), gen)
+    e, k, h, i = shape.experts, shape.top_k, shape.hidden, shape.inter
+    x = _randn(sc.num_tokens, h, gen=gen).to(DEVICE)
+    logits = _randn(sc.num_tokens, e, gen=gen).to(DEVICE)
+    gate_up = _randn(e, 2 * i, h, gen=gen, scale=h ** -0.5).to(DEVICE)
+    down = _randn(e, h, i, gen=gen, scale=i ** -0.5).to(DEVICE)
+    weights, ids = reference.moe_route(logits, k, True)
+    expected = reference.moe_lora_experts(x, gate_up, down, weights, ids, slots, _reference_slots(w, ranks))
+
+    total = torch.zeros_like(x)
+    length = i // world_size
+    for rank in range(world_size):
+        start = rank * length
+        rows = torch.cat([torch.arange(start, start + length), torch.arange(i + start, i + start + length)]).to(DEVICE)
+        share = MoELoRAWeights(w.gate_up_a, w.gate_up_b[:, :, rows].contiguous(),
+                               w.down_a[..., start:start + length].contiguous(), w.down_b, w.scalings, w.shared_outer)
+        step = _step(share, ranks, slots, _workspace(shape, sc.num_tokens))
+        ws = MoEWorkspace(sc.num_tokens, e, k, h, length, torch.float32, DEVICE)
+        total += fused_moe(x, logits, gate_up[:, rows].contiguous(), down[..., start:start + length].contiguous(), k,
+                           True, False, ws, lora=step)
+    _assert_close(total, expected, torch.float32)
+
+
 # GPU: bf16 at the Qwen3-30B-A3B expert shape; name: (tokens, slot ranks, popularity, base-only every n-th)
 GPU_CASES = {
     "T1-r64": (1, (64,), "identical", 0),

@@ -246,3 +246,15 @@ def test_first_output_carries_the_queue_time_from_arrival_to_first_schedule(llam
     assert [o.queue_time is None for o in outs["a"]] == [False, True, True]
     assert [o.queue_time is None for o in outs["b"]] == [False, True, True]
     assert 0 <= outs["a"][0].queue_time < a_first <= outs["b"][0].queue_time
+
+
+def test_steps_on_the_cpu_are_never_delayed(llama):
+    """Late launch paces a host that runs ahead of a device; on the CPU the step is the host's own work."""
+    engine = make_engine(llama)
+    assert engine.launch_delay() == 0.0
+    engine.add_request("a", prompt(9), SamplingParams(max_tokens=6, ignore_eos=True))
+    delays = []
+    while engine.has_unfinished():
+        engine.step()
+        delays.append(engine.launch_delay())
+    assert delays == [0.0] * len(delays) and engine._pacer is None

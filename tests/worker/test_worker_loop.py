@@ -1,15 +1,25 @@
 """worker.__main__.Worker's outputs: one ring frame per engine step, split into frames that each take at most a
-quarter of the ring when a step is larger, every output delivered once and in order."""
+quarter of the ring when a step is larger, every output delivered once and in order. Its loop between steps:
+while the engine's launch_delay lasts, messages are applied as they arrive, and a request that arrives then is in
+the next step."""
 from __future__ import annotations
 
 import os
+import threading
+import time
+from dataclasses import dataclass
 
 import msgspec
 import pytest
 
-from worker.__main__ import Worker
-from worker.ipc.messages import OutputBatch, RequestOutput, ToGateway, TokenLogprob
+from tests.gateway.fake_engine import FakeEngine
+from worker.__main__ import GatewayGone, Worker
+from worker.config import ModelConfig, WorkerConfig
+from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, OutputBatch,
+                                 RequestOutput, SamplingParams, Shutdown, ToGateway, TokenLogprob)
 from worker.ipc.shm_ring import ShmRing
+
+DELAY_S = 0.5     # the stand-in engine's launch delay: long enough for the test to act inside it
 
 
 @pytest.fixture
@@ -64,3 +74,130 @@ def test_an_empty_step_sends_nothing(rings):
     worker, from_worker = rings
     worker.send_outputs([])
     assert received(from_worker) == []
+
+
+class PacedEngine(FakeEngine):
+    """FakeEngine asking for DELAY_S between steps; records which requests each step gave a token."""
+
+    def __init__(self, config: WorkerConfig):
+        super().__init__(config)
+        self.steps: list[list[str]] = []
+
+    def step(self) -> list[RequestOutput]:
+        outputs = super().step()
+        self.steps.append(sorted(o.request_id for o in outputs))
+        return outputs
+
+    def launch_delay(self) -> float:
+        return DELAY_S
+
+
+@dataclass
+class Served:
+    """A Worker serving a PacedEngine in a thread, and the gateway's side: its ends of both rings, the pipe behind
+    the worker's parent sentinel, what the serving thread raised."""
+    engine: PacedEngine
+    to_worker: ShmRing
+    from_worker: ShmRing
+    thread: threading.Thread
+    raised: list[BaseException]
+    parent_alive: int | None        # the sentinel's write end; closed: the gateway process exited
+
+    def gateway_exits(self) -> None:
+        os.close(self.parent_alive)
+        self.parent_alive = None
+
+
+@pytest.fixture
+def served():
+    to_worker, inbound_handle = ShmRing.create(1 << 16, "producer")
+    from_worker, outbound_handle = ShmRing.create(1 << 16, "consumer")
+    sentinel, parent_alive = os.pipe()
+    worker = Worker(ShmRing.attach(inbound_handle), ShmRing.attach(outbound_handle), sentinel)
+    engine = PacedEngine(WorkerConfig(ModelConfig("unused")))
+    raised: list[BaseException] = []
+
+    def serve():
+        try:
+            worker.serve(engine)
+        except GatewayGone as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    gateway = Served(engine, to_worker, from_worker, thread, raised, parent_alive)
+    yield gateway
+    if thread.is_alive():
+        send(to_worker, Shutdown())
+        thread.join(5)
+    worker.close()
+    for ring in (to_worker, from_worker):
+        ring.close()
+    for handle in (inbound_handle, outbound_handle):
+        handle.close()
+    os.close(sentinel)
+    if gateway.parent_alive is not None:
+        os.close(gateway.parent_alive)
+
+
+def send(ring: ShmRing, message) -> None:
+    assert ring.try_put(msgspec.msgpack.encode(message))
+
+
+def next_message(ring: ShmRing, kind: type, timeout: float = 5.0):
+    """The next message of type `kind` from the worker (others skipped)."""
+    decoder = msgspec.msgpack.Decoder(ToGateway)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for frame in ring.get_many(max_frames=1):
+            message = decoder.decode(frame)
+            if isinstance(message, kind):
+                return message
+        time.sleep(0.001)
+    raise AssertionError(f"no {kind.__name__} from the worker within {timeout} s")
+
+
+def add(request_id: str) -> AddRequest:
+    return AddRequest(request_id, [5, 6, 7], SamplingParams(max_tokens=100))
+
+
+def test_a_request_arriving_during_the_wait_is_in_the_next_step(served):
+    send(served.to_worker, add("a"))
+    assert [o.request_id for o in next_message(served.from_worker, OutputBatch).outputs] == ["a"]
+    sent = time.monotonic()
+    send(served.to_worker, add("b"))       # the worker now waits DELAY_S before its next step
+    assert [o.request_id for o in next_message(served.from_worker, OutputBatch).outputs] == ["a", "b"]
+    assert served.engine.steps == [["a"], ["a", "b"]]
+    assert time.monotonic() - sent < DELAY_S + 1.0
+
+
+def test_an_abort_during_the_wait_is_answered_at_once_and_ends_the_steps(served):
+    send(served.to_worker, add("a"))
+    next_message(served.from_worker, OutputBatch)
+    sent = time.monotonic()
+    send(served.to_worker, AbortRequest("a"))
+    send(served.to_worker, AdapterCommand(1, "list", ""))
+    aborted = next_message(served.from_worker, OutputBatch)
+    assert [(o.request_id, o.finish_reason) for o in aborted.outputs] == [("a", "abort")]
+    assert next_message(served.from_worker, AdapterCommandResult).ok
+    assert time.monotonic() - sent < DELAY_S / 2
+    time.sleep(DELAY_S + 0.1)
+    assert served.engine.steps == [["a"]]
+
+
+def test_shutdown_during_the_wait_stops_the_worker_without_another_step(served):
+    send(served.to_worker, add("a"))
+    next_message(served.from_worker, OutputBatch)
+    send(served.to_worker, Shutdown())
+    served.thread.join(DELAY_S / 2)
+    assert not served.thread.is_alive() and not served.raised
+    assert served.engine.steps == [["a"]]
+
+
+def test_the_gateway_exiting_during_the_wait_stops_the_worker(served):
+    send(served.to_worker, add("a"))
+    next_message(served.from_worker, OutputBatch)
+    served.gateway_exits()
+    served.thread.join(DELAY_S / 2)
+    assert not served.thread.is_alive() and isinstance(served.raised[0], GatewayGone)
+    assert served.engine.steps == [["a"]]

@@ -5,6 +5,12 @@ match its share of each fused slice; a row-parallel one (o, down) keeps the colu
 of the input and lora_B whole (its expand adds into the partial sum the all-reduce completes). Each projection says
 which share is its own (`Linear.shard_lora`); the slot layout (lora/slot_layout.py) is built from the sharded
 model, so `SlotLayout.pack` of the result is this rank's slot.
+
+Expert LoRA (lora/formats.py ExpertLayerLoRA, every format, shared-outer included) follows the experts' sharding
+along the intermediate size I (layers/moe.py `FusedExperts.intermediate_shard`): gate and up keep A whole and the
+rows of B in this rank's share of I; down keeps the columns of A in that share and B whole. The matrices stay
+where they are in the file; each is marked with its part (`ExpertMatrix.part`), which `materialise` cuts when
+the slot is packed.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import torch
 from torch import nn
 
 from worker.lora.adapter import AdapterBytes
+from worker.lora.formats import ExpertLayerLoRA, ExpertProjection
 
 
 def shard_adapter(model: nn.Module, adapter: AdapterBytes) -> AdapterBytes:
@@ -21,8 +28,6 @@ def shard_adapter(model: nn.Module, adapter: AdapterBytes) -> AdapterBytes:
     world size 1."""
     if model.tp.world_size == 1:
         return adapter
-    if adapter.experts:
-        raise ValueError(f"adapter {adapter.spec.name!r}: expert LoRA is not supported with tensor parallelism")
     modules = {}
     for (layer, target), m in adapter.modules.items():
         name, shard = model.lora_targets[target]
@@ -31,9 +36,23 @@ def shard_adapter(model: nn.Module, adapter: AdapterBytes) -> AdapterBytes:
         a, b = model.projection(layer, name).shard_lora(shard, a, b)
         modules[(layer, target)] = dataclasses.replace(m, a=_bytes(a), b=_bytes(b), in_features=a.shape[1],
                                                        out_features=b.shape[0])
-    return dataclasses.replace(adapter, modules=modules)
+    experts = {layer: shard_expert_layer(found, *model.moe_block(layer).experts.intermediate_shard)
+               for layer, found in adapter.experts.items()}
+    return dataclasses.replace(adapter, modules=modules, experts=experts)
+
+
+def shard_expert_layer(found: ExpertLayerLoRA, start: int, length: int) -> ExpertLayerLoRA:
+    """One layer's expert LoRA cut to intermediate rows/columns [start, start + length): gate and up B
+    [n, I, r] -> [n, length, r] (dim 1), down A [n, r, I] -> [n, r, length] (dim 2); the other factors whole."""
+    def cut(proj: ExpertProjection | None, factor: str, dim: int) -> ExpertProjection | None:
+        if proj is None:
+            return None
+        matrix = dataclasses.replace(getattr(proj, factor), part=(dim, start, length))
+        return dataclasses.replace(proj, **{factor: matrix})
+
+    return dataclasses.replace(found, gate=cut(found.gate, "b", 1), up=cut(found.up, "b", 1),
+                               down=cut(found.down, "a", 2))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
-

@@ -5,10 +5,15 @@ Megatron-style sharding (layers/linear.py, layers/embedding.py, models/llama.py)
 all-reduce; attention heads and KV heads are split across ranks (KV heads replicated when fewer than ranks);
 embedding and LM head hold a slice of the vocabulary. At world size 1 every helper returns its input untouched,
 so a model built with `SINGLE` runs exactly the ops it runs without tensor parallelism.
+
+On CUDA the model runner may attach a faster all-reduce before it builds the model (distributed/all_reduce.py:
+one-shot over NVLink peer memory for small messages, NCCL above):
+`tp = dataclasses.replace(tp, fast_all_reduce=AllReduce(tp.group, device, max_bytes, threshold_bytes))`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,11 +24,18 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: "dist.ProcessGroup | None" = None     # None at world size 1
+    # x -> x summed over the ranks (in place or a new tensor); set by the model runner on CUDA at world size >= 2
+    # (distributed/all_reduce.py); None: dist.all_reduce
+    fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the ranks, in place; x itself at world size 1."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+        """x summed over the ranks: x itself at world size 1; in place through dist.all_reduce, or what
+        `fast_all_reduce` returns where one is attached (callers use the returned tensor)."""
+        if self.world_size == 1:
+            return x
+        if self.fast_all_reduce is not None:
+            return self.fast_all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +46,21 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x as rank 0 holds it, on every rank (in place; on a GPU enqueued on the stream, no host wait)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return x
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (startup only: on a GPU the host waits for it)."""
+        if self.world_size == 1:
+            return value
+        on_gpu = dist.get_backend(self.group) == "nccl"
+        t = torch.tensor([value], dtype=torch.int64, device="cuda" if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
 
     def split(self, size: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's even share of `size` items; `what` names them in the error."""

@@ -45,7 +45,9 @@ class Linear(nn.Module):
     Column-parallel: rows [start, start + length) of each fused slice (`output_shards[s]`); y is this rank's share of
     every slice, left sharded; LoRA A whole, B sliced like W's rows. Row-parallel: columns `input_shard` of W;
     x @ W_shard^T is a partial sum, and the LoRA expand (A sliced like W's columns, B whole) adds into it before the
-    one all-reduce, so the sum over ranks applies each adapter's scaling once; the bias is added on rank 0 only.
+    one all-reduce, so the sum over ranks applies each adapter's scaling once; the bias is added on rank 0 only. A
+    row-parallel projection built with reduce_results=False returns the partial sum for its caller to reduce
+    (Qwen2-MoE's shared expert, summed into the MoE block's one all-reduce: layers/moe.py).
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
@@ -65,6 +67,7 @@ class Linear(nn.Module):
         self.full_output_sizes = list(output_sizes)      # each fused slice's rows in the checkpoint
         self.output_shards: list[tuple[int, int]] | None = None   # column-parallel: (start, length) per slice
         self.input_shard: tuple[int, int] | None = None           # row-parallel: (start, length) of in_features
+        self.reduce_results = True                                 # row-parallel: all-reduce the partial sum here
 
     @classmethod
     def column_parallel(cls, in_features: int, output_sizes: list[int], shards: list[tuple[int, int]], bias: bool,
@@ -77,11 +80,12 @@ class Linear(nn.Module):
 
     @classmethod
     def row_parallel(cls, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                     kernels: KernelChoices, tp: TensorParallel) -> "Linear":
-        """This rank's even share of `in_features`; forward all-reduces over `tp` (nothing at world size 1)."""
+                     kernels: KernelChoices, tp: TensorParallel, reduce_results: bool = True) -> "Linear":
+        """This rank's even share of `in_features`; forward all-reduces over `tp` (nothing at world size 1), or,
+        with reduce_results=False, returns this rank's partial sum for the caller to all-reduce."""
         start, length = tp.split(in_features, "Input size of a row-parallel projection")
         linear = cls(length, output_sizes, bias, dtype, kernels)
-        linear.tp, linear.input_shard = tp, (start, length)
+        linear.tp, linear.input_shard, linear.reduce_results = tp, (start, length), reduce_results
         return linear
 
     def full_shape(self, param: str) -> tuple[int, ...]:
@@ -124,7 +128,7 @@ class Linear(nn.Module):
         if self.tp.world_size == 1:
             return self._forward(x, lora_info, self.bias)
         y = self._forward(x, lora_info, self.bias if self.tp.rank == 0 else None)   # a partial sum
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if self.reduce_results else y
 
     def _forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None, bias: torch.Tensor | None) -> torch.Tensor:
         if self.lora is None or lora_info is None or lora_info.max_rank == 0:

@@ -122,7 +122,9 @@ def expert_layer_reads(buf: np.ndarray, region: ExpertRegion, found: ExpertLayer
     """pack_expert_layer's bytes of one layer written into `buf` (the slot's bytes, uint8) from the adapter's
     file, which stores the slots' dtype: zeros, scalings and the shared-outer flag are written now, the
     (file offset, destination) of every stored run that lands in place is appended to `reads`, and the
-    copies to run once those reads are done (B read aside: padded to R or de-interleaved) are returned."""
+    copies to run once those reads are done (B read aside: padded to R or de-interleaved) are returned. Whole
+    matrices into a region of their size only: a tensor-parallel rank's share (ExpertMatrix.part, a region sized
+    from sharded experts) is packed by pack_expert_layer."""
     def field(name: str) -> np.ndarray:
         off, shape, dtype = region.fields[name]
         size = math.prod(shape) * dtype.itemsize
@@ -143,6 +145,9 @@ def expert_layer_reads(buf: np.ndarray, region: ExpertRegion, found: ExpertLayer
         if proj is None:
             a[...], b[...] = 0, 0
             continue
+        if proj.a.part or proj.b.part or (proj.a.shape[2], proj.b.shape[1]) != (a.shape[2], b.shape[1]):
+            raise ValueError(f"expert LoRA of layer {found.layer} does not fit its slot region in place (a "
+                             "tensor-parallel rank's share): read_adapter, shard_adapter and SlotLayout.pack it")
         shared = found.shared_outer
         _read_a(proj.a, proj.rank, a, shared and s < 2, reads)
         finish += _read_b(proj.b, proj.rank, b, shared and s == 2, reads)

@@ -78,11 +78,14 @@ class ExpertMatrix:
       "peft_b":     one [total, cols*n] tensor; expert e is rows row_offset:row_offset+rows, columns e::n
       "stacked":    one [n, rows, cols] tensor
       "per_expert": one [rows, cols] tensor per expert (None: that expert is not adapted, zeros)
+    `part` (tensor parallelism, distributed/adapter_shards.py): (dim, start, length), the rows (dim 1) or columns
+    (dim 2) of the assembled [n, rows, cols] that one rank keeps; None: all of it. `shape` stays the stored one.
     """
     shape: tuple[int, int, int]
     layout: str
     sources: tuple[StoredTensor | None, ...]
     row_offset: int = 0
+    part: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,14 @@ def _check_rank(key: str, rank: int, max_lora_rank: int) -> None:
 
 
 def materialise(matrix: ExpertMatrix, file: Path) -> torch.Tensor:
-    """Read one ExpertMatrix from the adapter's tensor file as float32 [n, rows, cols]."""
+    """Read one ExpertMatrix from the adapter's tensor file as float32 [n, rows, cols] (its `part` of them, when
+    it has one: [n, length, cols] or [n, rows, length])."""
+    whole = _assemble(matrix, file)
+    return whole if matrix.part is None else whole.narrow(*matrix.part).contiguous()
+
+
+def _assemble(matrix: ExpertMatrix, file: Path) -> torch.Tensor:
+    """The whole [n, rows, cols] of one ExpertMatrix, float32."""
     n, rows, cols = matrix.shape
     if matrix.layout == "per_expert":
         out = torch.zeros(n, rows, cols)

@@ -31,10 +31,13 @@ class ReadResult:
 
 class AdapterLoader:
     """Reads registered adapters into `host`. `read` (spec -> HostAdapter) and `executor` may be
-    replaced, e.g. by tests that hold a read back or run reads inline."""
+    replaced, e.g. by tests that hold a read back or run reads inline. `on_read(ref, spec)` is told of each read
+    as it starts (tensor parallelism: the other ranks read their shares beside it)."""
 
-    def __init__(self, read: Callable[[AdapterSpec], HostAdapter], host: HostCache, num_workers: int):
+    def __init__(self, read: Callable[[AdapterSpec], HostAdapter], host: HostCache, num_workers: int,
+                 on_read: Callable[[AdapterRef, AdapterSpec], None] | None = None):
         self.read = read
+        self.on_read = on_read
         self.host = host
         self._specs: dict[AdapterRef, AdapterSpec] = {}
         self.executor: concurrent.futures.Executor = concurrent.futures.ThreadPoolExecutor(
@@ -49,10 +52,12 @@ class AdapterLoader:
 
     def start(self, ref: AdapterRef) -> None:
         """Read `ref` on a worker thread; its host entry is reserved already."""
+        self._announce(ref)
         self._reads[self.executor.submit(self._timed_read, self._specs[ref])] = ref
 
     def read_now(self, ref: AdapterRef) -> tuple[HostAdapter, float]:
         """Read `ref` in this thread: (entry, seconds). Raises what the read raised."""
+        self._announce(ref)
         return self._timed_read(self._specs[ref])
 
     def poll(self) -> list[ReadResult]:
@@ -77,6 +82,13 @@ class AdapterLoader:
             return False
         done, _ = concurrent.futures.wait(self._reads, timeout, concurrent.futures.FIRST_COMPLETED)
         return bool(done)
+
+    def spec(self, ref: AdapterRef) -> AdapterSpec:
+        return self._specs[ref]
+
+    def _announce(self, ref: AdapterRef) -> None:
+        if self.on_read is not None:
+            self.on_read(ref, self._specs[ref])
 
     @property
     def num_in_flight(self) -> int:

@@ -14,8 +14,10 @@ the next load instead of spinning.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from worker.lora.adapter import AdapterSpec
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.lora.host_cache import HostAdapter, HostCache
 from worker.lora.loader import AdapterLoader
@@ -34,8 +36,9 @@ class FailedLoad:
 
 class AdapterLoads:
     def __init__(self, loader: AdapterLoader, host_cache: HostCache, pool: GPULoRAPool, slots: SlotTable,
-                 registry: AdapterRegistry):
+                 registry: AdapterRegistry, on_load: Callable[[AdapterRef, AdapterSpec, int, int], None] | None = None):
         self.loader, self.host_cache, self.pool = loader, host_cache, pool
+        self.on_load = on_load        # (ref, spec, slot, rank) of each copy issued: the other tensor-parallel ranks'
         self.slots = slots            # the scheduler's slot table: a finished copy marks its slot loaded
         self.registry = registry      # load times and bytes, per tier
         self._copies_in_flight = 0
@@ -65,6 +68,8 @@ class AdapterLoads:
                     failed.append(_failed(ref, str(e)))
                     continue
             self.pool.start_load(slot, entry.packed, entry.rank, ref)
+            if self.on_load is not None:
+                self.on_load(ref, self.loader.spec(ref), slot, entry.rank)
             self._copies_in_flight += 1
         return failed
 

@@ -212,15 +212,23 @@ class PackedReader:
     """spec -> HostAdapter: check the directory again (it may have changed since it was registered) and
     read it into the GPU slot layout: straight from the file into place when it stores the slots' dtype
     (SlotLayout.read_packed), else read, converted and packed. With `read_threads` > 1 the file reads
-    of one adapter are split across that many threads of the reader's own pool."""
+    of one adapter are split across that many threads of the reader's own pool.
+    `shard`: a model sharded over tensor-parallel ranks; each adapter is then read whole and cut to this rank's
+    share (distributed/adapter_shards.py) before it is packed."""
 
-    def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool, read_threads: int = 1):
+    def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool, read_threads: int = 1,
+                 shard: nn.Module | None = None):
         self.arch, self.layout, self.pin = arch, layout, pin
+        self.shard = shard if shard is not None and shard.tp.world_size > 1 else None
         self.read_threads = read_threads
         self.pool = (concurrent.futures.ThreadPoolExecutor(read_threads, thread_name_prefix="lora-io")
                      if read_threads > 1 else None)
 
     def __call__(self, spec: AdapterSpec) -> HostAdapter:
+        if self.shard is not None:
+            from worker.distributed.adapter_shards import shard_adapter
+            adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
+            return HostAdapter(self.layout.pack(shard_adapter(self.shard, adapter), self.pin), adapter.spec.rank)
         source = locate_adapter(spec.name, spec.path, self.arch, self.layout.max_rank)
         try:
             packed = self.layout.read_packed(source, self.pin, pool=self.pool, parts=self.read_threads)

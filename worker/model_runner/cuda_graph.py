@@ -122,7 +122,7 @@ class CUDAGraphRunner:
                 self.model(batch, self.kv_caches)
         torch.cuda.current_stream().wait_stream(stream)
         if self.logits is None:
-            vocab = self.model.lm_head.weight.shape[0]
+            vocab = self.model.cfg.vocab_size          # the whole vocabulary: a sharded LM head gathers it
             self.logits = torch.empty(self.max_num_seqs, vocab, dtype=torch.float32, device=batch.input_ids.device)
         rows = len(batch.logits_indices)
         graph = torch.cuda.CUDAGraph()

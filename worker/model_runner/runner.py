@@ -1,6 +1,7 @@
 """ModelRunner: owns the device side (weights, KV pool, LoRA slot pool, sampler) and launches steps."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ import torch
 
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
+from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks
 from worker.layers.moe import SparseMoE
@@ -54,6 +56,12 @@ class StepHandle:
         return self._result
 
 
+@dataclass
+class BroadcastTokens:
+    """A follower's copy of the ids rank 0 sampled: the next step's pending inputs; never read back."""
+    device_token_ids: torch.Tensor         # [num_sampling_seqs] int64
+
+
 def profile_lengths(tokens: int, max_seqs: int, max_model_len: int) -> list[int]:
     """New-token counts of the profiling step: min(max_seqs, tokens) sequences of `tokens` tokens in all, the
     first ones as long as max_model_len allows, the rest one token each (every sequence samples a token).
@@ -69,13 +77,19 @@ def profile_lengths(tokens: int, max_seqs: int, max_model_len: int) -> list[int]
 
 
 class ModelRunner:
+    """Tensor parallelism: every rank has a runner over its share of the model (`tp`); their steps run the same
+    forward passes, whose collectives meet. Rank 0's runner announces each step to the other ranks first
+    (`followers`, distributed/group.py), samples alone and broadcasts the sampled ids; the others `follow`."""
+
     def __init__(self, config: WorkerConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int):
+                 max_model_len: int, tp: TensorParallel = SINGLE, followers=None):
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        self.tp, self.followers = tp, followers
         self.plan: MemoryPlan | None = None     # None when the configuration fixes the KV pool's size
         free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         m, sched, cache = config.model, config.scheduler, config.cache
-        self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed)
+        self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed, tp)
+        arch = dataclasses.replace(arch, num_kv_heads=self.model.num_kv_heads)   # the K/V this rank caches
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.kernels.lora_side_stream)
         max_blocks = -(-max_model_len // cache.block_size)
@@ -92,6 +106,7 @@ class ModelRunner:
         if num_blocks is None:
             self.plan = self._plan_memory(config, arch, max_model_len, free_at_start, use_graphs, graph_tokens)
             num_blocks = self.plan.kv // bytes_per_block(arch, cache.block_size, dtype)
+        num_blocks = tp.min_over_ranks(num_blocks)      # one block table for every rank
         self.kv_pool = KVPool(arch, cache.block_size, num_blocks, dtype, device)
         logger.info(self.kv_pool.describe(max_model_len))
         self.graph_runner = None
@@ -119,12 +134,13 @@ class ModelRunner:
         from worker.kernels.moe_lora import MoELoRAWorkspace
         tokens, lora = config.scheduler.max_num_batched_tokens, config.lora
         shape = (tokens, arch.num_experts, arch.num_experts_per_tok)
-        experts = MoEWorkspace(*shape, arch.hidden_size, arch.moe_intermediate_size, self.dtype, self.device)
+        inter = self.model.moe_intermediate_size_per_rank     # this rank's share of each expert's I
+        experts = MoEWorkspace(*shape, arch.hidden_size, inter, self.dtype, self.device)
         lora_ws = MoELoRAWorkspace(*shape, lora.max_lora_rank, lora.max_loras, self.device)
         for block in self.model.modules():
             if isinstance(block, SparseMoE):
                 block.attach_workspaces(experts, lora_ws)
-        return (MoEWorkspace.num_bytes(*shape, arch.hidden_size, arch.moe_intermediate_size, self.dtype)
+        return (MoEWorkspace.num_bytes(*shape, arch.hidden_size, inter, self.dtype)
                 + MoELoRAWorkspace.num_bytes(*shape, lora.max_lora_rank, lora.max_loras))
 
     def _plan_memory(self, config: WorkerConfig, arch: ArchConfig, max_model_len: int, free_at_start: int,
@@ -169,13 +185,16 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Enqueue the forward pass alone: a handle with the logits and no tokens, which `sample` completes
         (the engine files the tokens in flight in between when a grammar needs them)."""
+        if self.followers is not None:
+            self.followers.step(batch)
         prev_tokens = None if prev is None else prev.device_token_ids
         logits = None if self.graph_runner is None else self.graph_runner.run(batch, prev_tokens)
         prompt_logprobs = {}
         if logits is None:
             forward_batch = self.input_builder.build(batch, prev_tokens=prev_tokens)
             logits = self.model(forward_batch, self.kv_pool.caches)    # [num_logits, vocab]
-            prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
+            if self.tp.rank == 0:
+                prompt_logprobs = self._prompt_logprobs(batch, forward_batch.prompt_rows, logits)
             logits = logits[len(logits) - len(forward_batch.sample_rows):]   # [num_sampling_seqs, vocab]
         self.lora_pool.record_use(batch.lora_slots)
         return StepHandle(logits, None, prompt_logprobs, prev_tokens)
@@ -189,6 +208,18 @@ class ModelRunner:
                             s.request.num_pending, s.request.pending_row) for s in batch.seqs if s.samples]
         if rows:
             handle.tokens = self.sampler(handle.logits, rows, handle.prev_tokens, token_bitmask).copy_to_host()
+            self.tp.broadcast(handle.tokens.device_token_ids)
+        return handle
+
+    @torch.inference_mode()
+    def follow(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
+        """A follower rank's step: the forward pass, then the ids rank 0 sampled, broadcast into this rank's
+        copy (the next step's pending tokens are read from it)."""
+        handle = self.forward(batch, prev)
+        num_rows = sum(s.samples for s in batch.seqs)
+        if num_rows:
+            handle.tokens = BroadcastTokens(self.tp.broadcast(torch.empty(num_rows, dtype=torch.int64,
+                                                                          device=self.device)))
         return handle
 
     @torch.inference_mode()
@@ -239,7 +270,9 @@ class ModelRunner:
                 batch.seqs.append(ScheduledSeq(request, 0, n, 0))
             for lora in (True, False):
                 self.model(self.input_builder.build(batch, lora=lora), self.kv_pool.caches)
-        torch.cuda.synchronize()
+                # the builder's two host buffer sets take turns: a third build must not refill the first set
+                # before its copy ran (under tensor parallelism a rank's device may wait on the other ranks)
+                torch.cuda.synchronize()
         logger.info("compiled prefill kernels in %.1f s", time.perf_counter() - start)
 
     @staticmethod

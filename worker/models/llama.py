@@ -59,14 +59,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """gate_up column-parallel, down row-parallel; `reduce_results=False` leaves down's output a partial sum at
+    world size > 1, for the caller to all-reduce (Qwen2-MoE's shared expert: layers/moe.py)."""
+
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices, intermediate_size: int = 0,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, reduce_results: bool = True):
         super().__init__()
         i = intermediate_size or cfg.intermediate_size
         shard = tp.split(i, "Intermediate size")
         self.gate_up_proj = Linear.column_parallel(cfg.hidden_size, [i, i], [shard, shard], cfg.mlp_bias, dtype,
                                                    kernels)
-        self.down_proj = Linear.row_parallel(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels, tp)
+        self.down_proj = Linear.row_parallel(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels, tp, reduce_results)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,9 +124,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int, kernels: KernelChoices,
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        if cfg.is_moe and tp.world_size > 1:
-            raise ValueError(f"{cfg.architecture} does not support tensor parallelism yet (MoE experts are not "
-                             "sharded); use --tensor-parallel-size 1")
         tp.split(cfg.num_heads, "Total number of attention heads")     # refused first, in vLLM's words
         self.cfg, self.tp = cfg, tp
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)

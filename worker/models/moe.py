@@ -4,6 +4,10 @@ The Llama-family decoder (models/llama.py) with a sparse MoE block (layers/moe.p
 layers; layers the config keeps dense (`mlp_only_layers`, `decoder_sparse_step`) get a LlamaMLP. LoRA covers the
 attention projections, the dense layers' MLPs, Qwen2-MoE's shared expert (all as Linear slot regions) and the
 experts of every sparse layer (`SparseMoE.lora`, the slot's expert regions: lora/expert_layout.py).
+
+Tensor parallelism (`tp`): attention and dense MLPs as in models/llama.py; a sparse block's experts hold this
+rank's share of the expert intermediate size, its shared expert is column-/row-parallel like a LlamaMLP, its
+router and shared-expert gate stay whole, and the block ends in one all-reduce (layers/moe.py).
 """
 from __future__ import annotations
 
@@ -30,11 +34,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     def build_mlp(self, layer: int, dtype: torch.dtype, kernels: KernelChoices) -> nn.Module:
         c = self.cfg
         if not c.is_sparse_layer(layer):
-            return LlamaMLP(c, dtype, kernels)
-        shared = (LlamaMLP(c, dtype, kernels, c.shared_expert_intermediate_size)
+            return LlamaMLP(c, dtype, kernels, tp=self.tp)
+        # the shared expert's partial sum joins the routed experts' before the block's one all-reduce
+        shared = (LlamaMLP(c, dtype, kernels, c.shared_expert_intermediate_size, self.tp, reduce_results=False)
                   if c.shared_expert_intermediate_size else None)
         return SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                         c.norm_topk_prob, self.float32_routing_weights, dtype, kernels, shared)
+                         c.norm_topk_prob, self.float32_routing_weights, dtype, kernels, shared, self.tp)
 
     def lora_projections(self) -> list[tuple[int, str]]:
         """In layer order: attention, then a dense layer's MLP or a sparse layer's shared expert (if any)."""
@@ -49,6 +54,12 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def lora_expert_layers(self) -> list[int]:
         return [layer for layer in range(self.cfg.num_layers) if self.cfg.is_sparse_layer(layer)]
+
+    @property
+    def moe_intermediate_size_per_rank(self) -> int:
+        """The expert intermediate size this rank holds (moe_intermediate_size / world size): what the Triton
+        path's MoEWorkspace (kernels/moe.py) must be sized with."""
+        return self.tp.split(self.cfg.moe_intermediate_size, "MoE intermediate size")[1]
 
     def moe_block(self, layer: int) -> SparseMoE:
         return self.layers[layer].mlp

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from worker.config import KernelConfig
+from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.layers.kernel_choices import KernelChoices
 from worker.models.dummy import init_dummy_weights
 from worker.models.hf_config import ArchConfig
@@ -26,9 +27,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
-                max_positions: int, kernels: KernelConfig, seed: int = 0) -> nn.Module:
+                max_positions: int, kernels: KernelConfig, seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
     """The model of the checkpoint directory `path` on `device`, its layers built with `kernels` resolved for
-    the device (layers/kernel_choices.py; before any CUDA-graph capture)."""
+    the device (layers/kernel_choices.py; before any CUDA-graph capture), this rank's share of it under `tp`."""
     cfg = ArchConfig.from_dir(path)
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
@@ -36,7 +37,7 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load
                          f"supported architectures: {sorted(MODEL_CLASSES)}")
     choices = KernelChoices.resolve(kernels, device)
     with torch.device(device):
-        model = cls(cfg, dtype, max_positions, choices)
+        model = cls(cfg, dtype, max_positions, choices, tp)
     with torch.no_grad():
         if load_format == "dummy":
             init_dummy_weights(model, seed)

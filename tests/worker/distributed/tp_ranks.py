@@ -1,5 +1,6 @@
-"""What each rank of a tensor-parallel test runs: the tiny model built as `tp` shards it, its adapters packed into
-this rank's slots, and prefill then decode steps through the model's forward, on the CPU.
+"""What each rank of a tensor-parallel test runs: the tiny model (dense or MoE, the class of its config's
+architecture) built as `tp` shards it, its adapters (expert LoRA included) packed into this rank's slots, and prefill
+then decode steps through the model's forward, on the CPU.
 
 `run_rank` is spawned once per rank (torch.multiprocessing, gloo over 127.0.0.1); `model_logits` is the same
 computation at any world size, so the TP=1 reference is one call in the test process.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from worker.batch import ForwardBatch, LoRABatchInfo
 from worker.config import KernelConfig
@@ -22,7 +24,7 @@ from worker.lora.adapter import read_adapter
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.models.dummy import init_dummy_weights
 from worker.models.hf_config import ArchConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.models.registry import MODEL_CLASSES
 from worker.models.weight_loader import load_weights
 
 BLOCK_SIZE = 16
@@ -60,12 +62,13 @@ def run_rank(rank: int, world_size: int, port: int, case: Case, out_dir: str) ->
         torch.distributed.destroy_process_group()
 
 
-def build_model(case: Case, tp: TensorParallel) -> LlamaForCausalLM:
+def build_model(case: Case, tp: TensorParallel) -> nn.Module:
+    """The model class of the checkpoint's architecture (dense or MoE), this rank's shard of it."""
     cfg = ArchConfig.from_dir(case.model_dir)
     device = _device(case)
     kernels = KernelChoices.resolve(KernelConfig(), device)
     with device:
-        model = LlamaForCausalLM(cfg, torch.float32, 128, kernels, tp)
+        model = MODEL_CLASSES[cfg.architecture](cfg, torch.float32, 128, kernels, tp)
     with torch.no_grad():
         if case.load_format == "dummy":
             init_dummy_weights(model, seed=3, std=0.1)
@@ -110,7 +113,8 @@ def _device(case: Case) -> torch.device:
 def forward_batch(seqs: list[tuple[list[int], int]], slots: list[int], ranks: list[int],
                   device: torch.device = torch.device("cpu")) -> ForwardBatch:
     """seqs: (new tokens, first position) per sequence, sequence i in KV blocks [2i, 2i + 1]; slots: the LoRA slot of
-    each (-1: base); logits of each sequence's last token. Segments: one per run of equal slots."""
+    each (-1: base); logits of each sequence's last token. Segments: one per run of equal slots; token_slots (the
+    MoE layers' expert LoRA): each token's sequence's slot."""
     ids, pos, kv_slots, qsl, lens = [], [], [], [0], []
     for i, (tokens, start) in enumerate(seqs):
         for j, token in enumerate(tokens):
@@ -128,6 +132,7 @@ def forward_batch(seqs: list[tuple[list[int], int]], slots: list[int], ranks: li
             weights.append(slot)
             seg_indptr.append(qsl[i + 1])
     max_rank = max((ranks[w] for w in weights if w >= 0), default=0)
+    token_slots = [slot for (tokens, _), slot in zip(seqs, slots) for _ in tokens]
 
     def t(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -135,7 +140,8 @@ def forward_batch(seqs: list[tuple[list[int], int]], slots: list[int], ranks: li
     i32 = torch.int32
     lora = LoRABatchInfo(len(weights), t(seg_indptr, i32), t(weights, i32), t(ranks, i32), max_rank,
                          max_seg_len=max(b - a for a, b in zip(seg_indptr, seg_indptr[1:])),
-                         seg_indptr_host=seg_indptr, weight_indices_host=weights, ranks_host=list(ranks))
+                         token_slots=t(token_slots, i32), seg_indptr_host=seg_indptr, weight_indices_host=weights,
+                         ranks_host=list(ranks), token_slots_host=token_slots)
     return ForwardBatch(num_tokens=len(ids), num_seqs=len(seqs), max_query_len=max(len(tokens) for tokens, _ in seqs),
                         input_ids=t(ids), positions=t(pos), slot_mapping=t(kv_slots), query_start_loc=t(qsl, i32),
                         seq_lens=t(lens, i32), block_tables=t([[2 * i, 2 * i + 1] for i in range(len(seqs))], i32),

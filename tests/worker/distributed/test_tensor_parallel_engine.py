@@ -1,0 +1,143 @@
+"""The engine at --tensor-parallel-size 2 on the CPU (rank 0 here, rank 1 a follower process, gloo): the same
+outputs as at size 1 for greedy and seeded requests mixing the base model and adapters, with chunked prefill,
+preemption, prompt logprobs and a load_inplace; a follower that dies is reported, not waited for."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.hf_fixtures import ADAPTERS, adapter_dir
+from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.engine import Engine
+from worker.ipc.messages import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+
+
+def make_engine(model_dir, tp: int, num_blocks: int = 256, max_loras: int = 2, **sched) -> Engine:
+    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=num_blocks),
+                                 lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
+                                 scheduler=SchedulerConfig(**sched), device="cpu", tensor_parallel_size=tp))
+    for spec in ADAPTERS:
+        engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
+    return engine
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(engine: Engine, requests) -> dict[str, list]:
+    for rid, tokens, params, adapter in requests:
+        engine.add_request(rid, tokens, params, adapter)
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def summary(outputs: dict[str, list]) -> dict[str, tuple]:
+    return {rid: ([t for o in outs for t in o.new_token_ids], outs[-1].finish_reason) for rid, outs in outputs.items()}
+
+
+def logprobs_of(outputs: dict[str, list]) -> dict[str, list[float]]:
+    return {rid: [lp.logprob for o in outs for lp in (o.new_logprobs or [])] for rid, outs in outputs.items()}
+
+
+def requests(seed: int = 0):
+    names = [None] + [a.name for a in ADAPTERS]
+    return [(f"r{i}", prompt(5 + 7 * i % 23, seed + i), GREEDY if i % 3 else SEEDED, names[i % len(names)])
+            for i in range(8)]
+
+
+@pytest.fixture
+def both(hf_models):
+    """(TP=1 engine factory, TP=2 engine factory) over the tiny Llama; every TP=2 engine is closed afterwards."""
+    made = []
+
+    def tp2(**kw):
+        made.append(make_engine(hf_models["llama"], 2, **kw))
+        return made[-1]
+    yield (lambda **kw: make_engine(hf_models["llama"], 1, **kw)), tp2
+    for engine in made:
+        engine.followers.close()
+
+
+@pytest.mark.parametrize("sched", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=3),
+                                   dict(num_blocks=24, max_num_seqs=8)],
+                         ids=["one-step-prefill", "chunked", "preempting"])
+def test_tp2_engine_outputs_equal_tp1(both, sched):
+    tp1, tp2 = both
+    engine = tp2(**sched)
+    assert engine.runner.model.tp.world_size == 2 and engine.runner.model.num_kv_heads == 1   # 2 KV heads, split
+    expected, got = run(tp1(**sched), requests()), run(engine, requests())
+    assert summary(got) == summary(expected)
+    for rid, lps in logprobs_of(expected).items():
+        assert logprobs_of(got)[rid] == pytest.approx(lps, abs=1e-4)
+
+
+def test_tp2_prompt_logprobs_and_more_adapters_than_slots(both):
+    """Three adapters over two slots: every slot is refilled while the other runs; prompt logprobs equal."""
+    tp1, tp2 = both
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    reqs = [(f"p{i}", prompt(9 + i, 40 + i), params, ADAPTERS[i % len(ADAPTERS)].name) for i in range(6)]
+    expected, got = run(tp1(max_loras=2), reqs), run(tp2(max_loras=2), reqs)
+    assert summary(got) == summary(expected)
+    for rid, outs in expected.items():
+        first, ref = got[rid][0].prompt_logprobs, outs[0].prompt_logprobs
+        assert [lp is None for lp in first] == [lp is None for lp in ref]
+        assert [lp.logprob for lp in first[1:]] == pytest.approx([lp.logprob for lp in ref[1:]], abs=1e-4)
+
+
+def test_tp2_load_inplace_reaches_the_follower(both, hf_models):
+    tp1, tp2 = both
+    llama = hf_models["llama"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = tp2()
+    engine.add_adapter("live", str(adapter_dir(llama, "r4-qv")))
+    first = summary(run(engine, [("a", prompt(7, 1), greedy, "live")]))
+    engine.add_adapter("live", str(adapter_dir(llama, "r8-all")), load_inplace=True)
+    second = summary(run(engine, [("b", prompt(7, 1), greedy, "live")]))
+    reference = tp1()
+    assert first["a"] == summary(run(reference, [("a", prompt(7, 1), greedy, "r4-qv")]))["a"]
+    assert second["b"] == summary(run(reference, [("b", prompt(7, 1), greedy, "r8-all")]))["b"]
+
+
+def test_a_dead_follower_is_reported(both, monkeypatch):
+    reported = []
+    monkeypatch.setattr("worker.distributed.group._exit_process", reported.append)
+    _, tp2 = both
+    engine = tp2()
+    engine.followers._procs[0].kill()
+    deadline = time.monotonic() + 20
+    while not reported and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reported and "Tensor-parallel rank 1 exited" in reported[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_tp2_moe_engine_outputs_equal_tp1(hf_moe_models, arch):
+    """Experts sharded along I (Qwen2-MoE with its shared expert), attention adapters mixed with base rows."""
+    from tests.hf_fixtures import MOE_ADAPTERS
+
+    def make(tp: int) -> Engine:
+        engine = Engine(WorkerConfig(ModelConfig(str(hf_moe_models[arch])),
+                                     cache=CacheConfig(block_size=4, num_blocks_override=256),
+                                     lora=LoRAConfig(max_loras=2, max_lora_rank=16), device="cpu",
+                                     tensor_parallel_size=tp))
+        for spec in MOE_ADAPTERS:
+            engine.add_adapter(spec.name, str(adapter_dir(hf_moe_models[arch], spec.name)))
+        return engine
+    names = [None] + [a.name for a in MOE_ADAPTERS]
+    reqs = [(f"m{i}", prompt(6 + 5 * i, 70 + i), GREEDY, names[i % len(names)]) for i in range(6)]
+    expected = run(make(1), reqs)
+    engine = make(2)
+    try:
+        got = run(engine, reqs)
+    finally:
+        engine.followers.close()
+    assert summary(got) == summary(expected)
