@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow, com
 from worker.models.hf_config import ArchConfig
 from worker.models.registry import build_model
 from worker.request import Request
+
+if TYPE_CHECKING:
+    from worker.distributed.group import FollowerRanks
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ class ModelRunner:
     (`followers`, distributed/group.py), samples alone and broadcasts the sampled ids; the others `follow`."""
 
     def __init__(self, config: WorkerConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, tp: TensorParallel = SINGLE, followers=None):
+                 max_model_len: int, tp: TensorParallel = SINGLE, followers: "FollowerRanks | None" = None):
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.tp, self.followers = tp, followers
         self.plan: MemoryPlan | None = None     # None when the configuration fixes the KV pool's size
