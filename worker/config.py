@@ -82,6 +82,8 @@ class KernelConfig:
                                           # from the host's tile map, K split in the shrink (0: none)
     one_shot_all_reduce_bytes: int = 4 << 20   # tensor parallelism: all-reduces up to this size sum over NVLink
                                                # peer memory in one shot (distributed/all_reduce.py); NCCL above (0: all)
+    all_reduce_kernel: str = "symm_mem"   # what sums those: torch's symm_mem op after a copy, or "triton", one
+                                          # launch (kernels/one_shot_all_reduce.py)
 
     def __post_init__(self):
         if self.grouped_lora_min_rows < 0 or self.lora_tile_map_max_tokens < 0:
@@ -90,6 +92,8 @@ class KernelConfig:
         if self.one_shot_all_reduce_bytes < 0:
             raise ValueError(f"one_shot_all_reduce_bytes must be >= 0 (0: NCCL for every all-reduce), got "
                              f"{self.one_shot_all_reduce_bytes}")
+        if self.all_reduce_kernel not in ("symm_mem", "triton"):
+            raise ValueError(f"all_reduce_kernel must be 'symm_mem' or 'triton', got {self.all_reduce_kernel!r}")
         if self.gemv_row_limit < 0 or self.skinny_row_limit < 0:
             raise ValueError(f"gemv_row_limit and skinny_row_limit must be >= 0 (0 turns the kernel off), got "
                              f"{self.gemv_row_limit} and {self.skinny_row_limit}")

@@ -27,12 +27,18 @@ Its sibling `one_shot_all_reduce_copy_out`, which stages x inside the same kerne
 first threads signal the peers with no `__syncthreads()` after the block's copies, so a peer may read a staged
 element another warp has not written yet.
 
+`kernel="triton"` (`KernelConfig.all_reduce_kernel`) sums instead with kernels/one_shot_all_reduce.py: one
+launch that stages x, signals the peers with an epoch flag, waits for theirs and sums, its buffer in two halves
+used alternately so that no exit barrier is needed. Its symmetric buffer holds flags and two halves of `max_bytes`
+(`one_shot_all_reduce.buffer_bytes`); Triton is imported only when it is chosen.
+
 How the model runner attaches it, on CUDA at world size >= 2, after `init_tensor_parallel` and before it builds
 the model (layers keep the `TensorParallel` they are built with):
 
-    tp = dataclasses.replace(tp, fast_all_reduce=AllReduce(tp.group, device, max_bytes, threshold_bytes))
+    tp = dataclasses.replace(tp, fast_all_reduce=AllReduce(tp.group, device, max_bytes, threshold_bytes, kernel))
 
-The buffer (`max_bytes` plus a signal pad; the memory plan should count it) lives as long as the process.
+The buffer (`max_bytes` plus a signal pad; for "triton" twice `max_bytes`; the memory plan should count it) lives
+as long as the process.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ DEFAULT_MAX_BYTES = 4 << 20     # 256 decode rows x hidden 8192 bf16 (or 512 x 4
 # bench/all_reduce.py on two H200s (NVLink, torch 2.11, NCCL 2.28), per call inside a CUDA graph: one-shot 16.5 us at
 # 8 KiB, 31 us at 1 MiB, 72 us at 4 MiB against NCCL's 52.6, 59 and 114 us: one-shot wins up to the buffer's size
 DEFAULT_THRESHOLD_BYTES = DEFAULT_MAX_BYTES
+KERNELS = ("symm_mem", "triton")    # what sums a one-shot message: torch's symm_mem op, or kernels/one_shot_all_reduce.py
 
 
 def one_shot_fits(nbytes: int, dtype: torch.dtype, threshold_bytes: int) -> bool:
@@ -63,18 +70,31 @@ class AllReduce:
     `max_bytes`, the buffer's size), `dist.all_reduce` above it or where the one-shot op is unavailable."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES,
-                 threshold_bytes: int = DEFAULT_THRESHOLD_BYTES):
+                 threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, kernel: str = "symm_mem"):
         if device.type != "cuda":
             raise ValueError(f"AllReduce runs on CUDA devices, not {device.type}; use dist.all_reduce there.")
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown all-reduce kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
         if group.size() < 2:
             raise ValueError("AllReduce needs a group of 2 or more ranks; at world size 1 there is nothing to sum.")
         self.group = group
         self.group_name: str = group.group_name
-        buffer = open_symmetric_buffer(group, device, max_bytes)
+        self.triton_kernel = None       # kernels/one_shot_all_reduce.OneShotAllReduce where kernel == "triton"
+        if kernel == "triton":
+            from worker.kernels import one_shot_all_reduce
+            opened = open_symmetric_buffer(group, device, one_shot_all_reduce.buffer_bytes(max_bytes, group.size()),
+                                           needs_symm_mem_op=False)
+            if opened is not None:      # zeroes this rank's flags; every_rank_agrees below is the collective after
+                buffer, handle = opened
+                self.triton_kernel = one_shot_all_reduce.OneShotAllReduce(
+                    buffer, peer_buffer_ptrs(handle, buffer), group.rank(), max_bytes)
+        else:
+            opened = open_symmetric_buffer(group, device, max_bytes)
+        buffer = opened[0] if opened is not None else None
         if not every_rank_agrees(buffer is not None, group, device):
-            buffer = None
+            buffer = self.triton_kernel = None
             logger.warning("one-shot all-reduce unavailable on some rank; every all-reduce goes through NCCL")
-        self.buffer = buffer            # [max_bytes] uint8, this rank's symmetric memory; None: NCCL only
+        self.buffer = buffer            # [nbytes] uint8, this rank's symmetric memory; None: NCCL only
         self.threshold_bytes = min(threshold_bytes, max_bytes) if buffer is not None else 0
 
     def uses_one_shot(self, x: torch.Tensor) -> bool:
@@ -82,10 +102,13 @@ class AllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks: in place through NCCL; through one-shot, into x itself where x is contiguous
-        and 16-byte aligned, else into a new tensor. Callers use the returned tensor."""
+        (symm_mem: and 16-byte aligned), else into a new tensor. Callers use the returned tensor."""
         if not self.uses_one_shot(x):
             dist.all_reduce(x, group=self.group)
             return x
+        if self.triton_kernel is not None:
+            x = x.contiguous()      # x itself, or a copy that becomes the output
+            return self.triton_kernel(x, x)
         nbytes = x.numel() * x.element_size()
         staged = self.buffer[:nbytes].view(x.dtype).view(x.shape)      # the front of the symmetric buffer
         staged.copy_(x)
@@ -94,26 +117,38 @@ class AllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
 
 
-def open_symmetric_buffer(group: dist.ProcessGroup, device: torch.device, max_bytes: int) -> torch.Tensor | None:
-    """This rank's [max_bytes] uint8 buffer in symmetric memory, rendezvoused with `group` (a collective: every
-    rank calls it); None, with a warning, where this torch lacks the op or the peers' memory cannot be mapped."""
+def open_symmetric_buffer(group: dist.ProcessGroup, device: torch.device, nbytes: int,
+                          needs_symm_mem_op: bool = True) -> tuple[torch.Tensor, object] | None:
+    """This rank's [nbytes] uint8 buffer in symmetric memory, rendezvoused with `group` (a collective: every rank
+    calls it), and the rendezvous' handle (torch's `_SymmetricMemory`); None, with a warning, where this torch
+    lacks symmetric memory (or, with `needs_symm_mem_op`, the one-shot op) or the peers' memory cannot be mapped."""
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError as e:
         logger.warning("torch %s has no symmetric memory (%s); all-reduce stays on NCCL", torch.__version__, e)
         return None
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+    if needs_symm_mem_op and not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
         logger.warning("torch %s has no symm_mem.one_shot_all_reduce_out; all-reduce stays on NCCL", torch.__version__)
         return None
     try:
         if torch_minor() < (2, 11):
             symm_mem.enable_symm_mem_for_group(group.group_name)   # deprecated (not needed) from 2.11
-        buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, group.group_name)
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buffer, group.group_name)
     except (RuntimeError, AttributeError, TypeError) as e:    # no P2P, no driver API, an older API or backend
         logger.warning("symmetric memory rendezvous failed (%s: %s); all-reduce stays on NCCL", type(e).__name__, e)
         return None
-    return buffer
+    return buffer, handle
+
+
+def peer_buffer_ptrs(handle, buffer: torch.Tensor) -> list[int]:
+    """Every rank's copy of `buffer` as this process addresses it, rank order. `handle.buffer_ptrs` are the peers'
+    allocations as mapped here; recent torch gives the start of the whole allocation, which its memory pool may
+    share between tensors (torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemory.cu: "per-handle offsets are
+    applied separately"), so the tensor's offset in it, the same on every rank, is added (0 where torch already
+    did)."""
+    offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+    return [ptr + offset for ptr in handle.buffer_ptrs]
 
 
 def every_rank_agrees(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
