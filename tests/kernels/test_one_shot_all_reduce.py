@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from worker.kernels import one_shot_all_reduce as k  # noqa: E402  (after TRITON_INTERPRET is set)
+from worker.kernels import one_shot_all_reduce as k  # after TRITON_INTERPRET is set
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 WORLD_SIZE = 2

@@ -92,7 +92,8 @@ class FollowerRanks:
             self._spawn(rank, start)
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
-        self.tp = join_group(0, world_size, init_method, device, config.kernels.one_shot_all_reduce_bytes)
+        self.tp = join_group(0, world_size, init_method, device, config.kernels.one_shot_all_reduce_bytes,
+                             config.kernels.all_reduce_kernel)
         self._steps = StepEncoder()
         atexit.register(self.close)
 

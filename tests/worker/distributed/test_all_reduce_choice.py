@@ -1,7 +1,8 @@
 """The host side of the tensor-parallel all-reduce, on the CPU: which messages take the one-shot path
-(worker/distributed/all_reduce.py), that nothing CUDA-only is imported with it, and that `TensorParallel.all_reduce`
-is unchanged at world size 1 and over gloo (2 ranks spawned with torch.multiprocessing, MASTER_ADDR=127.0.0.1)
-unless a fast all-reduce is attached, whose result it then returns."""
+(worker/distributed/all_reduce.py), which one-shot kernels KernelConfig and AllReduce accept, that nothing
+CUDA-only is imported with it (nor by joining a gloo group with the Triton kernel chosen), and that
+`TensorParallel.all_reduce` is unchanged at world size 1 and over gloo (2 ranks spawned with torch.multiprocessing,
+MASTER_ADDR=127.0.0.1) unless a fast all-reduce is attached, whose result it then returns."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.worker.distributed.tp_ranks import free_port
-from worker.distributed.all_reduce import AllReduce, one_shot_fits
+from worker.config import KernelConfig
+from worker.distributed.all_reduce import KERNELS, AllReduce, one_shot_fits
 from worker.distributed.tensor_parallel import SINGLE, init_tensor_parallel
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -41,6 +43,34 @@ def test_one_shot_only_for_small_messages_of_a_summable_dtype(nbytes, dtype, thr
 def test_all_reduce_refuses_a_cpu_device():
     with pytest.raises(ValueError, match="CUDA"):
         AllReduce(None, torch.device("cpu"))
+
+
+def test_all_reduce_kernel_defaults_to_symm_mem_and_accepts_only_the_known_ones():
+    assert KernelConfig().all_reduce_kernel == "symm_mem"
+    assert [KernelConfig(all_reduce_kernel=k).all_reduce_kernel for k in KERNELS] == ["symm_mem", "triton"]
+    with pytest.raises(ValueError, match="all_reduce_kernel must be 'symm_mem' or 'triton', got 'nccl'"):
+        KernelConfig(all_reduce_kernel="nccl")
+
+
+def test_all_reduce_refuses_an_unknown_kernel_before_touching_the_group():
+    with pytest.raises(ValueError, match="unknown all-reduce kernel 'custom'; choose one of symm_mem, triton"):
+        AllReduce(None, torch.device("cuda", 0), kernel="custom")
+
+
+def test_joining_a_gloo_group_with_the_triton_kernel_imports_no_triton():
+    """Both ranks of a CPU group, each a fresh interpreter: join_group returns the plain group (no fast
+    all-reduce) and neither Triton nor symmetric memory is imported."""
+    code = ("import sys, torch; from worker.distributed.group import join_group; "
+            "tp = join_group({rank}, 2, 'tcp://127.0.0.1:{port}', torch.device('cpu'), 4 << 20, 'triton'); "
+            "assert tp.fast_all_reduce is None; torch.distributed.destroy_process_group(); "
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', "
+            "'torch.distributed._symmetric_memory'))))")
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", code.format(rank=rank, port=port)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err for _, err in outputs]
+    assert [out.strip() for out, _ in outputs] == ["[]", "[]"]
 
 
 def test_importing_it_imports_neither_triton_nor_symmetric_memory():
