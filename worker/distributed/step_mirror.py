@@ -3,8 +3,9 @@
 Every rank builds the same inputs from the same batch (model_runner/input_builder.py, cuda_graph.py), so a follower
 needs what those read of each sequence: its positions, new known tokens, pending-token row, KV blocks, LoRA slot and
 prompt-logprob positions; never the request's whole prompt. KV block lists travel as changes: a request's blocks
-only grow while it runs, so rank 0 sends the new tail, or the whole list when it is not an extension of what the
-follower holds (after a preemption), and names the requests that ended so the follower forgets their blocks.
+only grow while it runs (the scheduler extends its list in place), so rank 0 sends the new tail, or the whole list
+when the request has a new one (admitted again after a preemption), and names the requests that ended so the
+follower forgets their blocks.
 
 Running example: a request with blocks [4, 9] sent last step that now has [4, 9, 12] is sent as (2, [12]); after a
 preemption that gave it [7] it is sent as (0, [7]).
@@ -32,10 +33,12 @@ class StepEncoder:
     """Rank 0's side: the batch as a StepMessage, blocks as changes against what was sent before."""
 
     def __init__(self) -> None:
-        self._sent: dict[str, tuple[Request, list[int]]] = {}    # request id -> (request, blocks the followers hold)
+        # request id -> (request, its block list object when last sent, how many of its blocks the followers hold);
+        # the scheduler extends a request's block list in place and gives it a new list when it starts over
+        self._sent: dict[str, tuple[Request, list[int], int]] = {}
 
     def encode(self, batch: ScheduledBatch) -> StepMessage:
-        ended = [rid for rid, (request, _) in self._sent.items() if request.is_finished]
+        ended = [rid for rid, (request, _, _) in self._sent.items() if request.is_finished]
         for rid in ended:
             del self._sent[rid]
         return StepMessage([self._seq(s) for s in batch.seqs], ended)
@@ -43,9 +46,9 @@ class StepEncoder:
     def _seq(self, seq: ScheduledSeq) -> SeqMessage:
         request = seq.request
         blocks = request.block_ids
-        _, held = self._sent.get(request.request_id, (None, []))
-        kept = len(held) if len(held) <= len(blocks) and blocks[:len(held)] == held else 0
-        self._sent[request.request_id] = (request, list(blocks))
+        _, held, num_held = self._sent.get(request.request_id, (None, None, 0))
+        kept = num_held if held is blocks and num_held <= len(blocks) else 0
+        self._sent[request.request_id] = (request, blocks, len(blocks))
         scored = request.prompt_logprob_positions(seq.start, seq.start + seq.num_new_tokens)
         return (request.request_id, seq.start, seq.num_new_tokens, seq.lora_slot, seq.samples, seq.token_ids,
                 request.pending_row, (kept, blocks[kept:]), (scored.start, scored.stop),
@@ -88,8 +91,11 @@ class StepDecoder:
         batch = ScheduledBatch()
         for (rid, start, num_new, slot, samples, tokens, pending_row, (kept, new_blocks), scored, prompt_logprobs,
              num_prompt) in message.seqs:
-            blocks = self._blocks.get(rid, [])[:kept] + new_blocks
-            self._blocks[rid] = blocks
+            blocks = self._blocks.get(rid)
+            if blocks is not None and kept == len(blocks):
+                blocks += new_blocks                  # the common case: the same list, grown
+            else:
+                blocks = self._blocks[rid] = (blocks or [])[:kept] + new_blocks
             # ScheduledSeq derives `samples` from num_tokens: one past the step's end when it does not sample
             num_tokens = start + num_new + (0 if samples else 1)
             request = MirroredRequest(rid, _Params(prompt_logprobs), num_prompt, num_tokens, pending_row, blocks,
