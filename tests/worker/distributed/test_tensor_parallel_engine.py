@@ -141,3 +141,15 @@ def test_tp2_moe_engine_outputs_equal_tp1(hf_moe_models, arch):
     finally:
         engine.followers.close()
     assert summary(got) == summary(expected)
+
+
+def test_tp4_engine_outputs_equal_tp1(hf_models):
+    """Four ranks (three followers) over 2 KV heads: each head replicated on two ranks; vocabulary in quarters."""
+    expected = run(make_engine(hf_models["llama"], 1), requests(seed=5))
+    engine = make_engine(hf_models["llama"], 4)
+    try:
+        assert engine.runner.model.tp.world_size == 4 and engine.runner.model.num_kv_heads == 1
+        got = run(engine, requests(seed=5))
+    finally:
+        engine.followers.close()
+    assert summary(got) == summary(expected)
