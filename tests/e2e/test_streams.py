@@ -34,13 +34,19 @@ async def stream_text(client, request: dict) -> tuple[str, list[int]]:
     return text, ids
 
 
-async def test_concurrent_mixed_adapter_streams_never_cross(server, reference):
-    requests = stream_requests()
+def reference_streams(reference, requests: list[dict]) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each request run alone on the in-process reference engine."""
     alone = []
     for request in requests:
         adapter = None if request["model"] == SERVED_MODEL_NAME else request["model"]
         ids = reference.tokens(reference.encode(request["prompt"]), adapter, max_tokens=10, ignore_eos=True)
         alone.append((reference.decode(ids), ids))
+    return alone
+
+
+async def test_concurrent_mixed_adapter_streams_never_cross(server, reference):
+    requests = stream_requests()
+    alone = reference_streams(reference, requests)
     assert len({tuple(ids) for _, ids in alone}) == NUM_STREAMS      # a crossing cannot go unseen
     async with server.async_openai() as client:
         together = await asyncio.gather(*(stream_text(client, r) for r in requests))

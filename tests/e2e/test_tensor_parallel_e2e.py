@@ -5,61 +5,59 @@ server with a message naming it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 
 import psutil
 
 from tests.e2e.conftest import API_KEY, REPO_ROOT, STARTUP_SECONDS, Server, server_command, stop_and_check_cleanup
-from tests.e2e.test_streams import stream_requests, stream_text
+from tests.e2e.test_streams import reference_streams, stream_requests, stream_text
 from tests.server_process import free_port, wait_until_healthy
-from worker.demo import SERVED_MODEL_NAME
 
 
-async def test_tp2_server_streams_equal_the_single_process_engine(demo, reference, tmp_path):
+@contextlib.contextmanager
+def tp2_server(demo, log_path):
+    """The demo server at -tp 2, healthy: (its process, its URL); SIGTERMed and checked afterwards if still up."""
     port = free_port()
-    log_path = tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
     with open(log_path, "wb") as log:
         process = subprocess.Popen([*server_command(demo, port), "--tensor-parallel-size", "2"], cwd=REPO_ROOT,
                                    env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_until_healthy(process, url, log_path, STARTUP_SECONDS)
-        requests = stream_requests()
-        alone = []
-        for request in requests:
-            adapter = None if request["model"] == SERVED_MODEL_NAME else request["model"]
-            ids = reference.tokens(reference.encode(request["prompt"]), adapter, max_tokens=10, ignore_eos=True)
-            alone.append((reference.decode(ids), ids))
-        async with Server(url, API_KEY, demo).async_openai() as client:
-            together = await asyncio.gather(*(stream_text(client, r) for r in requests))
-        assert together == alone
-        assert "rank 1 of 2 ready" in log_path.read_text()
+        yield process, url
     finally:
         if process.poll() is None:
             stop_and_check_cleanup(process, log_path)
 
 
+async def test_tp2_server_streams_equal_the_single_process_engine(demo, reference, tmp_path):
+    log_path = tmp_path / "server.log"
+    with tp2_server(demo, log_path) as (_, url):
+        requests = stream_requests()
+        alone = reference_streams(reference, requests)
+        async with Server(url, API_KEY, demo).async_openai() as client:
+            together = await asyncio.gather(*(stream_text(client, r) for r in requests))
+        assert together == alone
+        assert "rank 1 of 2 ready" in log_path.read_text()
+
+
 def test_a_follower_rank_that_dies_stops_the_server(demo, tmp_path):
     """Rank 1 killed while the server runs: the worker reports which rank and exits, the gateway follows with the
     worker-death message and a non-zero exit, instead of waiting forever in a collective."""
-    port = free_port()
     log_path = tmp_path / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([*server_command(demo, port), "--tensor-parallel-size", "2"], cwd=REPO_ROOT,
-                                   env={**env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until_healthy(process, f"http://127.0.0.1:{port}", log_path, STARTUP_SECONDS)
+    with tp2_server(demo, log_path) as (process, _):
         followers = [p for p in psutil.Process(process.pid).children(recursive=True)
                      if "worker.distributed.follower" in " ".join(p.cmdline())]
         assert len(followers) == 1
         followers[0].kill()
-        code = process.wait(30)
-    finally:
-        if process.poll() is None:
+        try:
+            code = process.wait(30)
+        except subprocess.TimeoutExpired:
             process.kill()
+            raise
     text = log_path.read_text()
     assert code != 0
     assert "Tensor-parallel rank 1 exited" in text and "The worker process died" in text

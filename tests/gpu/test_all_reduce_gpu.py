@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.all_reduce import capture
 from worker.distributed.all_reduce import KERNELS, AllReduce
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -81,19 +82,6 @@ def run_rank(rank: int, port: int, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def capture(calls) -> torch.cuda.CUDAGraph:
-    """`calls()` run once on a side stream (warm-up: compiles, outside the capture), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    return graph
 
 
 def graph_results(ar: AllReduce, rank: int, shape: tuple[int, int], dtype: torch.dtype, key: tuple,

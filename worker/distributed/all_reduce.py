@@ -32,13 +32,13 @@ launch that stages x, signals the peers with an epoch flag, waits for theirs and
 used alternately so that no exit barrier is needed. Its symmetric buffer holds flags and two halves of `max_bytes`
 (`one_shot_all_reduce.buffer_bytes`); Triton is imported only when it is chosen.
 
-How the model runner attaches it, on CUDA at world size >= 2, after `init_tensor_parallel` and before it builds
-the model (layers keep the `TensorParallel` they are built with):
+distributed/group.join_group attaches it on CUDA at world size >= 2, after `init_tensor_parallel` and before the
+model is built (layers keep the `TensorParallel` they are built with):
 
     tp = dataclasses.replace(tp, fast_all_reduce=AllReduce(tp.group, device, max_bytes, threshold_bytes, kernel))
 
-The buffer (`max_bytes` plus a signal pad; for "triton" twice `max_bytes`; the memory plan should count it) lives
-as long as the process.
+The buffer (`max_bytes` plus a signal pad; for "triton" twice `max_bytes`) lives as long as the process; it is
+allocated before the memory plan measures what is free, so the plan leaves it out of the KV pool.
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ class Follower:
         self._conn, self._runner, self._adapters = conn, runner, adapters
         self._steps = StepDecoder()
         self._prev: StepHandle | None = None
-        self._launched: deque[torch.cuda.Event | None] = deque()    # the last two steps' ends, on the device
+        self._launched: deque[torch.cuda.Event] = deque()    # the last two steps' ends (CUDA only)
 
     def serve(self) -> None:
         while True:
@@ -98,12 +98,10 @@ class Follower:
         pool.finished_loads()                 # nothing to file here: rank 0 decides when a slot may be read
         pool.wait_for(batch.lora_slots)
         if len(self._launched) == 2:          # the input builder's host buffers take turns: the set this step
-            done = self._launched.popleft()   # refills was last read by the step two back (rank 0 waits as much)
-            if done is not None:
-                done.synchronize()
-        self._prev = self._runner.follow(batch, self._prev)
-        self._launched.append(torch.cuda.Event() if self._runner.device.type == "cuda" else None)
-        if self._launched[-1] is not None:
+            self._launched.popleft().synchronize()   # refills was last read by the step two back (rank 0 waits
+        self._prev = self._runner.follow(batch, self._prev)   # as much); on the CPU every step has ended already
+        if self._runner.device.type == "cuda":
+            self._launched.append(torch.cuda.Event())
             self._launched[-1].record()
 
 

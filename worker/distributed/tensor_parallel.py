@@ -6,9 +6,8 @@ all-reduce; attention heads and KV heads are split across ranks (KV heads replic
 embedding and LM head hold a slice of the vocabulary. At world size 1 every helper returns its input untouched,
 so a model built with `SINGLE` runs exactly the ops it runs without tensor parallelism.
 
-On CUDA the model runner may attach a faster all-reduce before it builds the model (distributed/all_reduce.py:
-one-shot over NVLink peer memory for small messages, NCCL above):
-`tp = dataclasses.replace(tp, fast_all_reduce=AllReduce(tp.group, device, max_bytes, threshold_bytes))`.
+On CUDA, distributed/group.join_group attaches a faster all-reduce before the model is built
+(distributed/all_reduce.py: one-shot over NVLink peer memory for small messages, NCCL above).
 """
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: "dist.ProcessGroup | None" = None     # None at world size 1
-    # x -> x summed over the ranks (in place or a new tensor); set by the model runner on CUDA at world size >= 2
-    # (distributed/all_reduce.py); None: dist.all_reduce
+    # x -> x summed over the ranks (in place or a new tensor); set by distributed/group.join_group on CUDA at world
+    # size >= 2 (distributed/all_reduce.py); None: dist.all_reduce
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
