@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs", "eager"])
-    parser.add_argument("--profile", action="store_true", help="per-kernel device time of the batch-32 graph steps")
+    parser.add_argument("--profile", action="store_true", help="per-kernel device time of every run's graph steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -110,7 +110,7 @@ def main() -> None:
                 results["runs"][f"{mode}_{name}"] = result
                 logger.info("%s %s: %s", mode, name, result)
             if args.profile and mode == "graphs":
-                for name in ("b32_base", "b32_8lora16"):
+                for name in RUNS:
                     profile = kernel_profile(engine, *RUNS[name], distinct=True)
                     results.setdefault("profile", {})[name] = profile
                     logger.info("profile %s: %s", name, json.dumps(profile["kernels"][:12]))

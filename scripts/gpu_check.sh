@@ -2,7 +2,7 @@
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
-#   [serve-prefix] [serve-late] [tp] [hf] [gateway]
+#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway]
 # Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
 # into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
@@ -71,6 +71,10 @@ for stage in $stages; do
     serve)   failed=0
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
              (exit $failed) ;;
+    moe)     # bench.moe_decode (Qwen3-30B-A3B's shape, dummy weights): MOE_LAYERS of its 48 layers (default 24: fits an
+             # 80 GB card), MOE_MODES (default graphs), per-kernel profile of every run
+             timeout 500 python3 -m bench.moe_decode --num-layers ${MOE_LAYERS:-24} --modes ${MOE_MODES:-graphs} --profile \
+               --out "$OUT/moe_decode.json" > "$OUT/moe.log" 2>&1 ;;
     serve-moe)   # the MoE preset on Qwen3-30B-A3B's shape with 24 of its 48 layers (weights, 8 slots fit an 80 GB card)
              mkdir -p /tmp/qwen3-moe-24 && python3 -c "import json; c = json.load(open('bench/configs/qwen3-30b-a3b/config.json')); c['num_hidden_layers'] = 24; json.dump(c, open('/tmp/qwen3-moe-24/config.json', 'w'))"
              MODEL=/tmp/qwen3-moe-24 serve_preset moe-expert-adapters ;;

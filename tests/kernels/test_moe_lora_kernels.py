@@ -411,3 +411,141 @@ def test_hooks_replay_in_cuda_graph_with_other_adapters_and_experts(strategy):
         torch.testing.assert_close(static["h"], eager["h"], rtol=0, atol=0)
         torch.testing.assert_close(static["y"], eager["y"], rtol=0, atol=0)
         assert not torch.equal(static["h"], h0)
+
+
+# --- fused_moe at one or two tokens: kernels/moe_gemv.py, the LoRA expand inside the expert GEMVs -------------------
+
+
+def _fused_moe_case(shape: Shape, slots: list[int], dtype, gen, seed_logits: int = 0):
+    """Inputs of a fused_moe call with LoRA: (x, logits, gate_up, down, weights, ranks, workspaces)."""
+    from worker.kernels.moe import MoEWorkspace
+    num_tokens = len(slots)
+    e, h, i = shape.experts, shape.hidden, shape.inter
+    w, ranks = _slot_pool(shape, dtype, gen)
+    x = _randn(num_tokens, h, gen=gen).to(DEVICE, dtype)
+    logits = _randn(num_tokens, e, gen=gen).to(DEVICE, dtype)
+    gate_up = _randn(e, 2 * i, h, gen=gen, scale=h ** -0.5).to(DEVICE, dtype)
+    down = _randn(e, h, i, gen=gen, scale=i ** -0.5).to(DEVICE, dtype)
+    ws = MoEWorkspace(max(num_tokens, 4), e, shape.top_k, h, i, dtype, DEVICE)
+    return x, logits, gate_up, down, w, ranks, ws, _workspace(shape, max(num_tokens, 4))
+
+
+def _reference_fused(x, logits, gate_up, down, shape, slots, w, ranks, float32_weights, compute_dtype=None):
+    """reference.moe_route + reference.moe_lora_experts as layers/moe.py calls them (upcast first if asked; the
+    reference reads the slots in float32)."""
+    slot_view = _reference_slots(w, ranks)
+    if compute_dtype is not None:
+        x, logits, gate_up, down = (t.to(compute_dtype) for t in (x, logits, gate_up, down))
+    weights, ids = reference.moe_route(logits, shape.top_k, True)
+    if not float32_weights:
+        weights = weights.to(x.dtype)
+    return reference.moe_lora_experts(x, gate_up, down, weights, ids, slots, slot_view)
+
+
+CPU_SMALL_SLOTS = {"T1-adapter": [0], "T1-shared-outer": [2], "T1-base": [-1], "T2-two-adapters": [3, 1],
+                   "T2-base-and-shared": [-1, 2], "T2-one-adapter": [0, 0]}
+
+
+@pytest.mark.parametrize("float32_weights", [False, True], ids=["qwen", "mixtral"])
+@pytest.mark.parametrize("slots", CPU_SMALL_SLOTS.values(), ids=CPU_SMALL_SLOTS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_batch_fused_moe_with_lora_matches_reference_and_the_sorted_path(dtype, slots, float32_weights,
+                                                                                monkeypatch):
+    """T <= 2 runs kernels/moe_gemv.py (shrink, GEMV + expand + SiLU, shrink, GEMV + expand + weighted sum): equal
+    to reference.moe_lora_experts within one rounding, and to the sorted path with its hooks (T > 2's) within
+    the float32 summation order; slots of rank 1 and R, a shared-outer slot, zero scalings, base-only tokens."""
+    from worker.kernels import moe
+    gen = torch.Generator().manual_seed(11)
+    shape = _cpu_shape(16)
+    x, logits, gate_up, down, w, ranks, ws, lora_ws = _fused_moe_case(shape, slots, dtype, gen)
+    step = _step(w, ranks, slots, lora_ws)
+
+    small = moe.fused_moe(x, logits, gate_up, down, shape.top_k, True, float32_weights, ws, lora=step).clone()
+    monkeypatch.setattr(moe, "SMALL_BATCH_MAX_TOKENS", 0)
+    sorted_path = moe.fused_moe(x, logits, gate_up, down, shape.top_k, True, float32_weights, ws, lora=step)
+
+    expected = _reference_fused(x, logits, gate_up, down, shape, slots, w, ranks, float32_weights,
+                                compute_dtype=torch.float32 if dtype != torch.float32 else None)
+    _assert_close(small, expected, dtype)
+    torch.testing.assert_close(small.float(), sorted_path.float(), rtol=TOL[dtype] / 4,
+                               atol=TOL[dtype] / 4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_batch_base_token_is_bitwise_the_no_lora_output(dtype):
+    """A base-only token beside an adapted one: its output is bitwise what fused_moe gives with LoRA off."""
+    from worker.kernels.moe import fused_moe
+    gen = torch.Generator().manual_seed(12)
+    shape = _cpu_shape(8)
+    slots = [1, -1]
+    x, logits, gate_up, down, w, ranks, ws, lora_ws = _fused_moe_case(shape, slots, dtype, gen)
+    with_lora = fused_moe(x, logits, gate_up, down, shape.top_k, True, False, ws,
+                          lora=_step(w, ranks, slots, lora_ws)).clone()
+    without = fused_moe(x, logits, gate_up, down, shape.top_k, True, False, ws)
+    assert torch.equal(with_lora[1], without[1])
+    assert not torch.equal(with_lora[0], without[0])
+
+
+GPU_SMALL_CASES = {"T1-r16": ((16,), [0]), "T1-r64": ((8, 64), [1]), "T2-r8-r64": ((8, 64), [0, 1]),
+                   "T2-base-and-r32": ((32,), [-1, 0]), "T2-shared-outer": ((16,) * 9, [8, 3])}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("case", GPU_SMALL_CASES)
+def test_small_batch_fused_moe_with_lora_at_qwen3_30b_shape(case):
+    """bf16 at Qwen3-30B-A3B's shape (E=128, top-8, H=2048, I=768, R=64) against the float32 reference of the
+    same bf16 weights."""
+    slot_ranks, slots = GPU_SMALL_CASES[case]
+    from worker.kernels.moe import fused_moe
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    shape = _gpu_shape(slot_ranks)
+    x, logits, gate_up, down, w, ranks, ws, lora_ws = _fused_moe_case(shape, slots, torch.bfloat16, gen)
+    out = fused_moe(x, logits, gate_up, down, shape.top_k, True, False, ws, lora=_step(w, ranks, slots, lora_ws))
+    expected = _reference_fused(x, logits, gate_up, down, shape, slots, w, ranks, False, compute_dtype=torch.float32)
+    _assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_small_batch_fused_moe_replays_in_cuda_graph_with_other_adapters_and_experts(num_tokens):
+    """Captured at R with one adapter mix; replays for other slots, ranks and routings equal eager calls
+    bitwise, without host-device syncs (PDL edges included)."""
+    from worker.kernels.moe import fused_moe
+    gen = torch.Generator(device=DEVICE).manual_seed(14)
+    shape = _gpu_shape((8, 16, 32, 64) * 4)
+    slots = [0] * num_tokens
+    x, logits, gate_up, down, w, ranks, ws, lora_ws = _fused_moe_case(shape, slots, torch.bfloat16, gen)
+    static_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    graph_step = MoELoRAStep(w, static_slots, ranks, 64, lora_ws)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused_moe(x, logits, gate_up, down, shape.top_k, True, False, ws, lora=graph_step)     # compile first
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_moe(x, logits, gate_up, down, shape.top_k, True, False, ws, lora=graph_step)
+    eager_ws, eager_lora_ws = _moe_workspace_like(ws), _workspace(shape, 4)
+    for new_slots in ([5, -1][:num_tokens], [15, 2][:num_tokens], [-1, 7][:num_tokens]):
+        new_x = _randn(num_tokens, shape.hidden, gen=gen).bfloat16()
+        new_logits = _randn(num_tokens, shape.experts, gen=gen).bfloat16()
+        slots_t = torch.tensor(new_slots, dtype=torch.int32, device=DEVICE)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            x.copy_(new_x)
+            logits.copy_(new_logits)
+            static_slots.copy_(slots_t)
+            graph.replay()
+            eager = fused_moe(new_x, new_logits, gate_up, down, shape.top_k, True, False, eager_ws,
+                              lora=MoELoRAStep(w, slots_t, ranks, 64, eager_lora_ws))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(captured, eager)
+
+
+def _moe_workspace_like(ws):
+    from worker.kernels.moe import MoEWorkspace
+    return MoEWorkspace(ws.max_tokens, ws.num_experts, ws.top_k, ws.down_out.shape[1], ws.act.shape[1],
+                        ws.act.dtype, ws.act.device)

@@ -3,8 +3,9 @@
 Rows are FLAT by (token, choice): row t*K + j is token t's j-th chosen expert e = topk_ids[t, j].
 fused_moe runs, in order:
     1. routing: softmax over E (float32), top-K, renormalise -> ws.topk_weights, ws.topk_ids
-    2. grouping: T <= SMALL_BATCH_MAX_TOKENS: none, the per-row GEMV kernels read each row's expert directly;
-       otherwise rows are counting-sorted by expert, each expert padded to BLOCK_M tiles (kernels/moe_align.py)
+    2. grouping: T <= SMALL_BATCH_MAX_TOKENS: none, steps 3-6 run as kernels/moe_gemv.py's two fused GEMVs,
+       which read each row's expert directly; otherwise rows are counting-sorted by expert, each expert padded
+       to BLOCK_M tiles (kernels/moe_align.py)
     3. gate_up: ws.gate_up_out[row] = round(x[t] @ gate_up[e].T)       (float32 accumulate, one rounding)
     4. LoRA gate_up hook (kernels/moe_lora.py), then ws.act[row] = round(round(silu(g)) * u)
     5. down: ws.down_out[row] = round(act[row] @ down[e].T)           (not weighted yet)
@@ -18,10 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels import moe_align
+from worker.kernels import moe_align, pdl
 from worker.kernels.fused import silu_and_mul
+from worker.kernels.moe_gemv import small_batch_moe
+from worker.kernels.moe_lora import add_down_lora, add_gate_up_lora
 
-SMALL_BATCH_MAX_TOKENS = 2      # T up to this runs the per-row GEMV kernels (no sort, no tensor cores)
+SMALL_BATCH_MAX_TOKENS = 2      # T up to this runs kernels/moe_gemv.py (no sort, no tensor cores)
 _BLOCK_M_SMALL, _BLOCK_M_LARGE = 16, 64
 
 
@@ -71,11 +74,14 @@ class MoEWorkspace:
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Semantics, token t:
         p = softmax(float32(logits[t]));  ids[t], w[t] = top-K of p (largest first, ties: lower index first)
         if RENORMALIZE: w[t] /= sum(w[t])
+    PDL: kernels/pdl.py.
     """
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -96,25 +102,6 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.c
         weights = weights / tl.sum(weights, axis=0)
     tl.store(w_ptr + t * TOP_K + slots, weights, mask=slots < TOP_K)
     tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
-
-
-@triton.jit
-def _row_gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, num_rows, n, k, stride_a, stride_we, stride_wn, stride_o,
-                     A_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Semantics, flat row r, e = ids[r]:   out[r, :n] = round(a[r // A_DIV] @ w[e].T)   (float32 accumulate)"""
-    r = tl.program_id(0)
-    e = tl.load(ids_ptr + r).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    a_row = a_ptr + (r // A_DIV).to(tl.int64) * stride_a
-    w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        k_mask = k0 + ks < k
-        a = tl.load(a_row + k0 + ks, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k0 + ks[None, :], mask=(cols[:, None] < n) & k_mask[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-    tl.store(out_ptr + r.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n)
 
 
 @triton.jit
@@ -170,27 +157,23 @@ def _weighted_sum_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o, TOP_
     tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, ws: MoEWorkspace) -> None:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, ws: MoEWorkspace,
+          programmatic_launch: bool = True) -> None:
     """router_logits [T, E] -> ws.topk_weights[:T] [T, K] float32, ws.topk_ids[:T] [T, K] int32."""
     num_tokens, num_experts = router_logits.shape
     assert router_logits.stride(1) == 1 and top_k == ws.top_k and num_experts == ws.num_experts
     _route_kernel[(num_tokens,)](router_logits, ws.topk_weights, ws.topk_ids, num_experts,
                                  router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
                                  BLOCK_E=triton.next_power_of_2(num_experts),
-                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+                                 BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
+                                 **pdl.launch_options(router_logits.device, programmatic_launch))
 
 
-def _expert_matmul(a, w, out, num_rows: int, a_div: int, ws: MoEWorkspace, grouping) -> None:
-    """out[r] = round(a[r // a_div] @ w[ids[r]].T) for flat rows r < num_rows; grouping: None (per-row GEMV)
-    or (block_m, n_blocks) from moe_align.align_by_expert."""
+def _expert_matmul(a, w, out, num_rows: int, a_div: int, ws: MoEWorkspace, grouping: tuple[int, int]) -> None:
+    """out[r] = round(a[r // a_div] @ w[ids[r]].T) for flat rows r < num_rows; grouping: (block_m, n_blocks)
+    from moe_align.align_by_expert."""
     n, k = w.shape[1], w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
-    if grouping is None:
-        block_n = 32 if num_rows * triton.cdiv(n, 32) >= 1024 else 16       # enough programs to fill the GPU
-        _row_gemv_kernel[(num_rows, triton.cdiv(n, block_n))](
-            a, w, ws.topk_ids, out, num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            A_DIV=a_div, BLOCK_N=block_n, BLOCK_K=min(256, triton.next_power_of_2(k)), num_warps=4)
-        return
     block_m, n_blocks = grouping
     block_n = 64 if block_m == _BLOCK_M_SMALL else 128
     _grouped_gemm_kernel[(n_blocks, triton.cdiv(n, block_n))](
@@ -200,9 +183,10 @@ def _expert_matmul(a, w, out, num_rows: int, a_div: int, ws: MoEWorkspace, group
 
 
 def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool, float32_weights: bool,
-              ws: MoEWorkspace, lora=None) -> torch.Tensor:
+              ws: MoEWorkspace, lora=None, programmatic_launch: bool = True) -> torch.Tensor:
     """x [T, H]; router_logits [T, E]; gate_up [E, 2I, H]; down [E, H, I] -> out [T, H] (x.dtype; out may be
-    allocated with torch.empty, it is the layer output). T <= ws.max_tokens (assert).
+    allocated with torch.empty, it is the layer output). T <= ws.max_tokens (assert). lora: a
+    kernels/moe_lora.MoELoRAStep or None; programmatic_launch: kernels/pdl.py (the small-batch chain).
 
     Semantics: reference.moe_route then reference.moe_experts (weights cast to x.dtype first unless
     float32_weights), except that the K weighted terms are summed in float32 and rounded once (module
@@ -215,21 +199,21 @@ def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool, fl
     if num_tokens == 0:
         return out
     rows = num_tokens * top_k
-    route(router_logits, top_k, renormalize, ws)
-    grouping = None
-    if num_tokens > SMALL_BATCH_MAX_TOKENS:
-        block_m = _block_m(rows, ws.num_experts)
-        grouping = (block_m, moe_align.align_by_expert(ws.topk_ids, rows, ws.num_experts, block_m, ws))
+    route(router_logits, top_k, renormalize, ws, programmatic_launch)
     h, act, y = ws.gate_up_out[:rows], ws.act[:rows], ws.down_out[:rows]    # [T*K, 2I], [T*K, I], [T*K, H]
     topk_ids = ws.topk_ids[:num_tokens]                                      # [T, K]
+    if num_tokens <= SMALL_BATCH_MAX_TOKENS:
+        small_batch_moe(x, gate_up, down, ws.topk_weights[:num_tokens], topk_ids, float32_weights, act, out, lora,
+                        programmatic_launch)
+        return out
+    block_m = _block_m(rows, ws.num_experts)
+    grouping = (block_m, moe_align.align_by_expert(ws.topk_ids, rows, ws.num_experts, block_m, ws))
     _expert_matmul(x, gate_up, h, rows, top_k, ws, grouping)
     if lora is not None:
-        from worker.kernels.moe_lora import add_gate_up_lora
         add_gate_up_lora(h, x, topk_ids, lora)
     silu_and_mul(h, programmatic_launch=False, out=act)
     _expert_matmul(act, down, y, rows, 1, ws, grouping)
     if lora is not None:
-        from worker.kernels.moe_lora import add_down_lora
         add_down_lora(y, act, topk_ids, lora)
     block = min(1024, triton.next_power_of_2(hidden))
     _weighted_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from worker.batch import MoELoRAWeights
+from worker.kernels import pdl
 from worker.kernels.lora_shrink import _tile_matmul
 
 GROUPED_MIN_ROWS = 512      # T*K from which the grouped (sorted, tl.dot) kernels run
@@ -116,13 +117,15 @@ def _shrink_kernel(
         src_ptr, a_ptr, xa_ptr, token_slots_ptr, topk_ids_ptr, ranks_ptr, shared_ptr, sorted_rows_ptr, tile_key_ptr,
         in_dim, K, E, stride_src, stride_aw, stride_ae, stride_ar, stride_xa, stride_shared,
         GATE_UP: tl.constexpr, MAX_RANK: tl.constexpr, GROUPED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Semantics: for each owned row (t, j) with w >= 0, slice s = program_id(1), r < ranks[w] in the rank tile:
         GATE_UP: src = x[t], A = gate_up_a[w, 0 if shared_outer[w] else e, s*R + r]; shared-outer rows with
                  j > 0 are skipped (their token's choice-0 row holds the xa)
         else:    src = act[row], A = down_a[w, e, r]
         xa[row, s*R + r] = src @ A   (float32; entries past the rank are not written)
-    Program (tile, slice, rank tile)."""
+    Program (tile, slice, rank tile). PDL: kernels/pdl.py (the per-row shrink of kernels/moe_gemv.py's chain)."""
+    pdl.launch_dependents(PDL)
+    pdl.wait(PDL)
     tile, s = tl.program_id(0), tl.program_id(1)
     rows, valid, w, e = _tile_rows(tile, token_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_ptr, K, E,
                                    GROUPED, BLOCK_M)
@@ -317,8 +320,8 @@ def _grouped_rank_tile(max_rank: int) -> int:
     return min(64, max(16, triton.next_power_of_2(max_rank)))
 
 
-def _shrink(src, a, topk_ids, lora: MoELoRAStep, layout: dict, tiles: int, gate_up: bool) -> None:
-    """xa of every owned row into lora.workspace.xa (module docstring)."""
+def _shrink(src, a, topk_ids, lora: MoELoRAStep, layout: dict, tiles: int, gate_up: bool, launch=None) -> None:
+    """xa of every owned row into lora.workspace.xa (module docstring); launch: pdl.launch_options or None."""
     ws, w = lora.workspace, lora.weights
     num_slices, in_dim = (2, a.shape[3]) if gate_up else (1, a.shape[3])
     cfg = _shrink_config(lora.max_rank, in_dim, layout["GROUPED"])
@@ -328,7 +331,16 @@ def _shrink(src, a, topk_ids, lora: MoELoRAStep, layout: dict, tiles: int, gate_
         src, a, ws.xa, lora.token_slots, topk_ids, lora.ranks, w.shared_outer, ws.sorted_rows, ws.tile_key,
         in_dim, topk_ids.shape[1], ws.num_experts, src.stride(0), a.stride(0), a.stride(1), a.stride(2),
         ws.xa.stride(0), w.shared_outer.stride(0),
-        GATE_UP=gate_up, MAX_RANK=ws.max_rank, **cfg, **layout)
+        GATE_UP=gate_up, MAX_RANK=ws.max_rank, **cfg, **layout, **(launch or {}))
+
+
+def shrink_rows(src: torch.Tensor, topk_ids: torch.Tensor, lora: MoELoRAStep, gate_up: bool,
+                programmatic_launch: bool = True) -> None:
+    """The per-row shrink alone, for kernels/moe_gemv.py, whose GEMVs expand: xa of every row into
+    lora.workspace.xa; src: x [T, H] (gate_up) or act [T*K, I] (down)."""
+    layout, tiles = _layout(topk_ids, lora, grouped=False)
+    a = lora.weights.gate_up_a if gate_up else lora.weights.down_a
+    _shrink(src, a, topk_ids, lora, layout, tiles, gate_up, pdl.launch_options(src.device, programmatic_launch))
 
 
 def _expand(out, b, topk_ids, lora: MoELoRAStep, layout: dict, tiles: int, gate_up: bool) -> None:

@@ -94,7 +94,7 @@ class SparseMoE(nn.Module):
                  shared_expert: nn.Module | None = None, tp: TensorParallel = SINGLE):
         super().__init__()
         self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
-        self.tp = tp
+        self.tp, self.kernels = tp, kernels
         self.gate = Linear(hidden_size, [num_experts], False, dtype, kernels)      # the router; whole; never LoRA
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, tp)
         self.shared_expert = shared_expert
@@ -158,4 +158,5 @@ class SparseMoE(nn.Module):
             max_rank = self.lora.down_a.shape[2] if torch.cuda.is_current_stream_capturing() else lora.max_rank
             step = MoELoRAStep(self.lora, lora.token_slots, lora.ranks, max_rank, self.lora_workspace)
         return fused_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize,
-                         self.float32_weights, self.workspace, lora=step)
+                         self.float32_weights, self.workspace, lora=step,
+                         programmatic_launch=self.kernels.programmatic_launch)
