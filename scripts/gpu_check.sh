@@ -91,7 +91,8 @@ for stage in $stages; do
              rc=$?; kill $pid; wait $pid; (exit $rc) ;;
     tp)      # tensor parallelism (2 GPUs): its GPU tests, the all-reduce bench, then 8B TP=1 and TP=2 servers side by
              # side: 1 and 32 streams, base and 32 distinct adapters (TPOT p50 is the decode step)
-             # TP_TESTS=0 / TP_BENCH=0 skip the tests / the all-reduce bench; TP_SIZES: the servers (default "2 1")
+             # TP_TESTS=0 / TP_BENCH=0 skip the tests / the all-reduce bench; TP_SIZES: the servers (default "2 1");
+             # TP_CONCURRENCY: the sweep's stream counts (default "1 32")
              failed=0
              if [ "${TP_TESTS:-1}" = 1 ]; then
                timeout 400 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py \
@@ -108,7 +109,7 @@ for stage in $stages; do
                  --lora-modules $(for a in /tmp/adapters-tp/*; do echo "${a##*/}=$a"; done) >> "$OUT/tp_serve.log" 2>&1 &
                pid=$!
                for _ in $(seq 240); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
-               timeout 300 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --concurrency 1 32 --adapters base many \
+               timeout 300 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --concurrency ${TP_CONCURRENCY:-1 32} --adapters base many \
                  --num-loras 32 --warmup 8 --output-len 128 --out "$OUT/tp$tp.json" >> "$OUT/tp_serve.log" 2>&1 || failed=1
                kill $pid; wait $pid
              done

@@ -66,10 +66,12 @@ def test_rms_norm_per_head_on_a_strided_view(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_heads, k_heads, dim", [(4, 2, 32), (8, 8, 24), (6, 1, 40)])
 @pytest.mark.parametrize("deferred", [False, True], ids=["plain", "with-delta"])
-def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim, deferred):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])
+def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim, deferred, qk_norm):
     """q and k rotated in place on strided views of a fused qkv row; rotated k and v written to their slots,
     padding slots (-1) skipped and the rest of the pool untouched. With a deferred LoRA delta, the same as
-    adding it to the qkv row first."""
+    adding it to the qkv row first; with Qwen3's q/k norms, the same as reference.rms_norm of every head (after
+    the delta) before the rotary."""
     tokens, block_size, num_blocks = 5, 4, 3
     qkv = rand(tokens, (q_heads + 2 * k_heads) * dim, dtype=dtype)
     theta = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
@@ -80,6 +82,7 @@ def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim,
     slots = torch.tensor([7, -1, 0, 11, 2], device=DEVICE)
     pool = rand(2, num_blocks, block_size, k_heads, dim, dtype=dtype, seed=4)
     delta = rand(*qkv.shape, dtype=torch.float32, seed=6) if deferred else None
+    norms = (rand(dim, dtype=dtype, seed=7), rand(dim, dtype=dtype, seed=8), 1e-6) if qk_norm else None
     runs = {}
     for name in ("ours", "ref"):
         t, (k_cache, v_cache) = qkv.clone(), pool.clone()
@@ -89,8 +92,11 @@ def test_rotary_store_kv_matches_rotary_then_store(dtype, q_heads, k_heads, dim,
         k = t[:, q_heads * dim:(q_heads + k_heads) * dim].view(tokens, k_heads, dim)
         v = t[:, (q_heads + k_heads) * dim:].view(tokens, k_heads, dim)
         if name == "ours":
-            fused.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots, delta)
+            fused.rotary_store_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots, delta, qk_norm=norms)
         else:
+            if qk_norm:
+                q.copy_(reference.rms_norm(q, norms[0], norms[2]))
+                k.copy_(reference.rms_norm(k, norms[1], norms[2]))
             reference.rotary(positions, q, k, cos, sin)
             keep = slots >= 0
             reference.store_kv(k[keep], v[keep], k_cache, v_cache, slots[keep])

@@ -80,10 +80,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_ptr, HAS_DELTA: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate every head of token t in place (after adding its delta row d_row_ptr[h * 2 * half + col]);
-    returns the rotated halves ([BLOCK_H, BLOCK_HALF] each)."""
+def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_ptr, norm_w_ptr, eps,
+                  HAS_DELTA: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate every head of token t in place (after adding its delta row d_row_ptr[h * 2 * half + col], then, with
+    QK_NORM, taking each head's RMSNorm with weight norm_w_ptr[:2 * half] as _rms_norm_kernel does); returns the
+    rotated halves ([BLOCK_H, BLOCK_HALF] each)."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     offs = tl.arange(0, BLOCK_HALF)[None, :]
     ptrs = base_ptr + t.to(tl.int64) * stride_t + heads * stride_h + offs
@@ -93,6 +94,13 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_
     if HAS_DELTA:
         d_ptrs = d_row_ptr + heads * 2 * half + offs
         x1, x2 = _plus_delta(x1, d_ptrs, mask), _plus_delta(x2, d_ptrs + half, mask)
+    if QK_NORM:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * half) + eps)[:, None]   # [BLOCK_H, 1]
+        w1 = tl.load(norm_w_ptr + offs, mask=offs < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_w_ptr + half + offs, mask=offs < half, other=0.0).to(tl.float32)
+        x1 = ((a * inv).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
+        x2 = ((b * inv).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     r1, r2 = (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
     tl.store(ptrs, r1, mask=mask)
@@ -102,11 +110,14 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_
 
 @triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                            delta_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-                            stride_dt, num_q_heads, num_k_heads, half, HAS_DELTA: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+                            delta_ptr, q_norm_ptr, k_norm_ptr, eps, stride_qt, stride_qh, stride_kt, stride_kh,
+                            stride_vt, stride_vh, stride_cos, stride_dt, num_q_heads, num_k_heads, half,
+                            HAS_DELTA: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                            BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Semantics, for token t at position p = pos[t] with slot = slot[t] (rotate-half layout):
         if HAS_DELTA: [q[t] | k[t] | v[t]] (heads flattened) = round(that + delta[t]) first
+        if QK_NORM (Qwen3): every head of q[t] = rms_norm(head, q_norm, eps), of k[t] with k_norm (as
+            _rms_norm_kernel computes it; the sum of squares taken over the two halves)
         for x in every head of q[t] and k[t], in place: x1, x2 = x[:half], x[half:]; c, s = cos[p, :half],
             sin[p, :half]; x = [x1*c - x2*s, x2*c + x1*s]   (float32, rounded once)
         if slot >= 0 (negative slots are CUDA-graph padding):
@@ -123,9 +134,10 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
     d_q = delta_ptr + t.to(tl.int64) * stride_dt          # the delta row: q heads, then k heads, then v heads
     d_k = d_q + num_q_heads * 2 * half
     d_v = d_k + num_k_heads * 2 * half
-    _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, half, d_q, HAS_DELTA, BLOCK_HALF, BLOCK_H)
-    k1, k2 = _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, half, d_k, HAS_DELTA, BLOCK_HALF,
-                           BLOCK_H)
+    _rotate_heads(q_ptr, t, stride_qt, stride_qh, num_q_heads, c, s, half, d_q, q_norm_ptr, eps, HAS_DELTA, QK_NORM,
+                  BLOCK_HALF, BLOCK_H)
+    k1, k2 = _rotate_heads(k_ptr, t, stride_kt, stride_kh, num_k_heads, c, s, half, d_k, k_norm_ptr, eps, HAS_DELTA,
+                           QK_NORM, BLOCK_HALF, BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         heads = tl.arange(0, BLOCK_H)[:, None]
@@ -146,9 +158,12 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    delta: torch.Tensor | None = None, programmatic_launch: bool = True) -> None:
+                    delta: torch.Tensor | None = None, programmatic_launch: bool = True,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
-    in one launch: a decode layer's rotary and K/V write cost one kernel instead of two.
+    in one launch: a decode layer's rotary and K/V write cost one kernel instead of two. With `qk_norm` (Qwen3's
+    per-head norms: (q_norm weight [D], k_norm weight [D], eps)), q and k are normed first, as rms_norm(q, q_norm,
+    eps) and rms_norm(k, k_norm, eps) would (after the delta): three launches become one.
 
     q: [T, Hq, D], k, v: [T, Hk, D] (head_dim contiguous, any token/head strides); k_cache, v_cache:
     contiguous [num_blocks, block_size, Hk, D]; slot_mapping: [T], negative entries are skipped.
@@ -161,12 +176,16 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     assert k_cache.dtype == k.dtype == v.dtype
     assert delta is None or (delta.shape == (num_tokens, (num_q_heads + 2 * num_k_heads) * dim)
                              and delta.dtype == torch.float32 and delta.stride(1) == 1)
+    assert qk_norm is None or (qk_norm[0].shape == qk_norm[1].shape == (dim,) and qk_norm[0].is_contiguous()
+                               and qk_norm[1].is_contiguous())
     if num_tokens:
         d = delta if delta is not None else q
+        q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
         _rotary_store_kv_kernel[(num_tokens,)](
-            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, d, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), cos.stride(0), d.stride(0), num_q_heads, num_k_heads, dim // 2,
-            HAS_DELTA=delta is not None, BLOCK_HALF=triton.next_power_of_2(dim // 2),
+            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, d, q_norm, k_norm, eps, q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), d.stride(0), num_q_heads,
+            num_k_heads, dim // 2, HAS_DELTA=delta is not None, QK_NORM=qk_norm is not None,
+            BLOCK_HALF=triton.next_power_of_2(dim // 2),
             BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4,
             **pdl.launch_options(q.device, programmatic_launch))
 

@@ -44,17 +44,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [num_tokens, hidden] -> (o_proj output, its deferred LoRA delta or None)."""
         c, q_size, kv_size = self.cfg, self.q_size, self.kv_size
-        if self.q_norm is None:     # the qkv LoRA delta is added by the rotary + K/V write kernel
-            qkv, qkv_delta = self.qkv_proj.forward_deferred(x, batch.lora)
-        else:                       # q/k norms come first: the delta is added in place
-            qkv, qkv_delta = self.qkv_proj(x, batch.lora), None
+        # the qkv LoRA delta, when deferred, is added by the rotary + K/V write kernel, before the q/k norms
+        qkv, qkv_delta = self.qkv_proj.forward_deferred(x, batch.lora)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, c.head_dim)        # [num_tokens, this rank's heads, head_dim]
         k = k.view(-1, self.num_kv_heads, c.head_dim)     # [num_tokens, this rank's KV heads, head_dim]
         v = v.view(-1, self.num_kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(q, k, v, kv_cache, batch, qkv_delta)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        out = self.attn(q, k, v, kv_cache, batch, qkv_delta, qk_norm)
         return self.o_proj.forward_deferred(out.reshape(-1, q_size), batch.lora)
 
 
