@@ -1,4 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1; export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_moe_kernels.py tests/kernels/test_moe_lora_kernels.py tests/gpu/test_moe_gpu.py > $OUT/tests.log 2>&1; echo "tests rc=$?"; tail -3 $OUT/tests.log
-timeout 240 python3 -m bench.kernels_moe_gemv --sweep --out $OUT/moe_gemv.json > $OUT/moe_gemv.log 2>&1; echo "gemv rc=$?"; tail -40 $OUT/moe_gemv.log | grep -v INFO
-timeout 200 python3 -m bench.moe_decode --num-layers 24 --modes graphs --profile --out $OUT/moe_decode.json > $OUT/moe.log 2>&1; echo "moe rc=$?"; grep -A6 '"ratios"' $OUT/moe_decode.json
