@@ -70,6 +70,7 @@ class CUDAGraphRunner:
         # lora: False, True (one segment per sequence, or per run of a slot in a mixed batch) or "grouped"
         self.graphs: dict[tuple[str, int, bool | str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = {"decode": 0, "mixed": 0, "grouped": 0}
+        self.last_replay = ""        # what run() replayed last: "decode", "grouped" (a decode graph) or "mixed"
         self.pool = None
         self.logits = None          # [max_num_seqs, vocab] float32, allocated at the first capture
 
@@ -173,4 +174,5 @@ class CUDAGraphRunner:
         graph.replay()
         self.replays[shape[0]] += 1
         self.replays["grouped"] += lora == "grouped"
+        self.last_replay = "grouped" if lora == "grouped" else shape[0]
         return logits[:sum(s.samples for s in batch.seqs)]

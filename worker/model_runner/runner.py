@@ -28,6 +28,34 @@ if TYPE_CHECKING:
     from worker.distributed.group import FollowerRanks
 
 logger = logging.getLogger(__name__)
+STEP_LOG_INTERVAL_S = 60.0
+
+
+class StepPaths:
+    """Counts behind a periodic log line: which path ran each step (a decode graph, a decode graph with LoRA grouped
+    by adapter, a mixed-batch graph, or eagerly) and the largest eager step, so that a serving run's log shows
+    whether its steps replay graphs."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._reset(clock())
+
+    def count(self, path: str, num_tokens: int) -> None:
+        """path: "decode", "grouped", "mixed" or "eager"."""
+        self._counts[path] = self._counts.get(path, 0) + 1
+        if path == "eager":
+            self._largest_eager = max(self._largest_eager, num_tokens)
+        now = self._clock()
+        if now - self._since >= STEP_LOG_INTERVAL_S:
+            c = self._counts
+            logger.info("steps in %.0f s: %d decode graphs (%d with LoRA grouped by adapter), %d mixed-batch graphs, "
+                        "%d eager (largest %d tokens)", now - self._since, c.get("decode", 0) + c.get("grouped", 0),
+                        c.get("grouped", 0), c.get("mixed", 0), c.get("eager", 0), self._largest_eager)
+            self._reset(now)
+
+    def _reset(self, now: float) -> None:
+        self._since, self._counts, self._largest_eager = now, {}, 0
+
 
 
 @dataclass
@@ -114,6 +142,7 @@ class ModelRunner:
         self.kv_pool = KVPool(arch, cache.block_size, num_blocks, dtype, device)
         logger.info(self.kv_pool.describe(max_model_len))
         self.graph_runner = None
+        self.step_paths = StepPaths()
         if device.type == "cuda":
             self._warm_up(cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80), sched.max_num_seqs)
         if use_graphs:
@@ -193,6 +222,7 @@ class ModelRunner:
             self.followers.step(batch)
         prev_tokens = None if prev is None else prev.device_token_ids
         logits = None if self.graph_runner is None else self.graph_runner.run(batch, prev_tokens)
+        self.step_paths.count("eager" if logits is None else self.graph_runner.last_replay, batch.num_tokens)
         prompt_logprobs = {}
         if logits is None:
             forward_batch = self.input_builder.build(batch, prev_tokens=prev_tokens)
