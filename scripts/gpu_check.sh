@@ -95,7 +95,7 @@ for stage in $stages; do
              # TP_CONCURRENCY: the sweep's stream counts (default "1 32")
              failed=0
              if [ "${TP_TESTS:-1}" = 1 ]; then
-               timeout 400 python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py \
+               timeout 400 python3 -m pytest -x -q -rA -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py \
                  tests/gpu/test_tensor_parallel_gpu.py > "$OUT/tp_tests.log" 2>&1 || failed=1
              fi
              if [ "${TP_BENCH:-1}" = 1 ]; then

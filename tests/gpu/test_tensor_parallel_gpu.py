@@ -9,8 +9,11 @@ Sharding changes the order of the sums, so two runs may part where a request's t
 tied; `assert_same_or_tied` accepts a parting only there and compares nothing after it."""
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
+import subprocess
+import time
 import traceback
 
 import pytest
@@ -72,23 +75,29 @@ def tp2_run(model_dir, dtype: str, enforce_eager: bool, max_num_seqs: int = 4, n
         engine.followers.close()
 
 
-def _call(conn, fn, args) -> None:
+def _call(conn, fn, args, dump_after: float) -> None:
+    faulthandler.dump_traceback_later(dump_after)        # a hang shows where rank 0 waits (stderr)
     try:
         conn.send(("ok", fn(*args)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
-def in_process(fn, *args, timeout: float = 240):
-    """fn(*args) in a fresh spawned process; its result, or its traceback as a failure."""
+def in_process(fn, *args, timeout: float = 150):
+    """fn(*args) in a fresh spawned process; its result, or its traceback as a failure. A run that hangs has
+    rank 0's stacks dumped to stderr shortly before the timeout, and the followers' (SIGUSR1) at it."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_call, args=(theirs, fn, args))
+    proc = ctx.Process(target=_call, args=(theirs, fn, args, timeout - 10))
     proc.start()
     theirs.close()
     try:
         if not ours.poll(timeout):
-            pytest.fail(f"{fn.__name__} gave no result in {timeout} s")
+            subprocess.run(["pkill", "-USR1", "-f", "worker.distributed.follower"], check=False)
+            time.sleep(2)
+            pytest.fail(f"{fn.__name__} gave no result in {timeout} s (stacks on stderr)")
         status, value = ours.recv()
     except EOFError:
         pytest.fail(f"{fn.__name__}'s process exited with code {proc.join(30) or proc.exitcode}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import pickle
+import faulthandler
 import signal
 import sys
 from collections import OrderedDict, deque
@@ -110,6 +111,7 @@ def main(fd: int) -> None:
     # whole process group must not end a rank under requests the gateway still drains
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)      # `kill -USR1 PID`: every thread's stack to stderr
     conn = Connection(fd)
     start: FollowerStart = pickle.loads(conn.recv_bytes())
     logging.basicConfig(level=logging.INFO,
