@@ -72,12 +72,13 @@ def model_dir(source: str, num_layers: int | None, tmp: Path) -> str:
     return str(tmp / "model")
 
 
-def build_engine(model: str, eager: bool) -> Engine:
+def build_engine(model: str, eager: bool, lora_side_stream: bool = True) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=2048),
         cache=CacheConfig(kv_cache_memory_bytes=4 << 30),
         lora=LoRAConfig(max_loras=8, max_lora_rank=RANK),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048), kernels=KernelConfig(),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048),
+        kernels=KernelConfig(lora_side_stream=lora_side_stream),
         device="cuda", enforce_eager=eager))
 
 
@@ -87,20 +88,22 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--modes", nargs="+", choices=["graphs", "eager"], default=["graphs", "eager"])
+    parser.add_argument("--lora-in-line", action="store_true",
+                        help="attention LoRA in line with its GEMVs instead of on a second stream (KernelConfig)")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of every run's graph steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     bandwidth = copy_bandwidth()
     results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9,
-                     "num_layers": args.num_layers, "runs": {}}
+                     "num_layers": args.num_layers, "lora_in_line": args.lora_in_line, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(args.model, args.num_layers, Path(tmp))
         arch = ArchConfig.from_dir(model)
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, RANK, TARGETS, seed=i, device="cuda"))
                     for i in range(8)]
         for mode in args.modes:
-            engine = build_engine(model, eager=mode == "eager")
+            engine = build_engine(model, eager=mode == "eager", lora_side_stream=not args.lora_in_line)
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             for name, (batch, names) in RUNS.items():

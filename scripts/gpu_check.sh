@@ -72,8 +72,8 @@ for stage in $stages; do
              for preset in sglang-single-adapter sglang-multi-adapter overlap-loading; do serve_preset $preset || failed=1; done
              (exit $failed) ;;
     moe)     # bench.moe_decode (Qwen3-30B-A3B's shape, dummy weights): MOE_LAYERS of its 48 layers (default 24: fits an
-             # 80 GB card), MOE_MODES (default graphs), per-kernel profile of every run
-             timeout 500 python3 -m bench.moe_decode --num-layers ${MOE_LAYERS:-24} --modes ${MOE_MODES:-graphs} --profile \
+             # 80 GB card), MOE_MODES (default graphs), per-kernel profile of every run; MOE_ARGS: more flags
+             timeout 500 python3 -m bench.moe_decode --num-layers ${MOE_LAYERS:-24} --modes ${MOE_MODES:-graphs} --profile ${MOE_ARGS:-} \
                --out "$OUT/moe_decode.json" > "$OUT/moe.log" 2>&1 ;;
     serve-moe)   # the MoE preset on Qwen3-30B-A3B's shape with 24 of its 48 layers (weights, 8 slots fit an 80 GB card)
              mkdir -p /tmp/qwen3-moe-24 && python3 -c "import json; c = json.load(open('bench/configs/qwen3-30b-a3b/config.json')); c['num_hidden_layers'] = 24; json.dump(c, open('/tmp/qwen3-moe-24/config.json', 'w'))"
