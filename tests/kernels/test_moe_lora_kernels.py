@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 from worker.batch import MoELoRAWeights  # noqa: E402
-from worker.kernels import reference  # noqa: E402
+from worker.kernels import moe, reference  # noqa: E402
+from worker.kernels.moe import MoEWorkspace, fused_moe  # noqa: E402
 from worker.kernels.moe_lora import (  # noqa: E402
     MoELoRAStep,
     MoELoRAWorkspace,
@@ -304,7 +305,6 @@ def test_each_ranks_share_of_the_intermediate_size_sums_to_the_whole_block(world
     rows of gate_up and of gate_up_b, columns of down and of down_a), each rank's fused_moe run in a MoEWorkspace
     sized I / world_size (model.moe_intermediate_size_per_rank); the ranks' partial outputs sum to
     reference.moe_lora_experts of the whole block (float32)."""
-    from worker.kernels.moe import MoEWorkspace, fused_moe
     gen = torch.Generator().manual_seed(13)
     shape = _cpu_shape(8)
     w, ranks = _slot_pool(shape, torch.float32, gen)
@@ -418,7 +418,6 @@ def test_hooks_replay_in_cuda_graph_with_other_adapters_and_experts(strategy):
 
 def _fused_moe_case(shape: Shape, slots: list[int], dtype, gen, seed_logits: int = 0):
     """Inputs of a fused_moe call with LoRA: (x, logits, gate_up, down, weights, ranks, workspaces)."""
-    from worker.kernels.moe import MoEWorkspace
     num_tokens = len(slots)
     e, h, i = shape.experts, shape.hidden, shape.inter
     w, ranks = _slot_pool(shape, dtype, gen)
@@ -454,7 +453,6 @@ def test_small_batch_fused_moe_with_lora_matches_reference_and_the_sorted_path(d
     """T <= 2 runs kernels/moe_gemv.py (shrink, GEMV + expand + SiLU, shrink, GEMV + expand + weighted sum): equal
     to reference.moe_lora_experts within one rounding, and to the sorted path with its hooks (T > 2's) within
     the float32 summation order; slots of rank 1 and R, a shared-outer slot, zero scalings, base-only tokens."""
-    from worker.kernels import moe
     gen = torch.Generator().manual_seed(11)
     shape = _cpu_shape(16)
     x, logits, gate_up, down, w, ranks, ws, lora_ws = _fused_moe_case(shape, slots, dtype, gen)
@@ -474,7 +472,6 @@ def test_small_batch_fused_moe_with_lora_matches_reference_and_the_sorted_path(d
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_small_batch_base_token_is_bitwise_the_no_lora_output(dtype):
     """A base-only token beside an adapted one: its output is bitwise what fused_moe gives with LoRA off."""
-    from worker.kernels.moe import fused_moe
     gen = torch.Generator().manual_seed(12)
     shape = _cpu_shape(8)
     slots = [1, -1]
@@ -497,7 +494,6 @@ def test_small_batch_fused_moe_with_lora_at_qwen3_30b_shape(case):
     """bf16 at Qwen3-30B-A3B's shape (E=128, top-8, H=2048, I=768, R=64) against the float32 reference of the
     same bf16 weights."""
     slot_ranks, slots = GPU_SMALL_CASES[case]
-    from worker.kernels.moe import fused_moe
     gen = torch.Generator(device=DEVICE).manual_seed(13)
     shape = _gpu_shape(slot_ranks)
     x, logits, gate_up, down, w, ranks, ws, lora_ws = _fused_moe_case(shape, slots, torch.bfloat16, gen)
@@ -512,7 +508,6 @@ def test_small_batch_fused_moe_with_lora_at_qwen3_30b_shape(case):
 def test_small_batch_fused_moe_replays_in_cuda_graph_with_other_adapters_and_experts(num_tokens):
     """Captured at R with one adapter mix; replays for other slots, ranks and routings equal eager calls
     bitwise, without host-device syncs (PDL edges included)."""
-    from worker.kernels.moe import fused_moe
     gen = torch.Generator(device=DEVICE).manual_seed(14)
     shape = _gpu_shape((8, 16, 32, 64) * 4)
     slots = [0] * num_tokens
@@ -527,7 +522,9 @@ def test_small_batch_fused_moe_replays_in_cuda_graph_with_other_adapters_and_exp
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused_moe(x, logits, gate_up, down, shape.top_k, True, False, ws, lora=graph_step)
-    eager_ws, eager_lora_ws = _moe_workspace_like(ws), _workspace(shape, 4)
+    eager_ws = MoEWorkspace(ws.max_tokens, shape.experts, shape.top_k, shape.hidden, shape.inter, torch.bfloat16,
+                            DEVICE)
+    eager_lora_ws = _workspace(shape, 4)
     for new_slots in ([5, -1][:num_tokens], [15, 2][:num_tokens], [-1, 7][:num_tokens]):
         new_x = _randn(num_tokens, shape.hidden, gen=gen).bfloat16()
         new_logits = _randn(num_tokens, shape.experts, gen=gen).bfloat16()
@@ -543,9 +540,3 @@ def test_small_batch_fused_moe_replays_in_cuda_graph_with_other_adapters_and_exp
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(captured, eager)
-
-
-def _moe_workspace_like(ws):
-    from worker.kernels.moe import MoEWorkspace
-    return MoEWorkspace(ws.max_tokens, ws.num_experts, ws.top_k, ws.down_out.shape[1], ws.act.shape[1],
-                        ws.act.dtype, ws.act.device)

@@ -93,14 +93,21 @@ def test_no_delay_while_nothing_is_known():
     assert run_step(pacer, clock, device, decode(), 10 * MS) > 0.0
 
 
-def test_delay_ends_the_margin_before_the_estimated_end():
+def warmed_up_and_launched() -> tuple[LaunchPacer, Clock, FakeDevice]:
+    """A pacer after six 10 ms decode steps with 1 ms of host time each, then a seventh launched 1 ms after its
+    step began, and the step before it waited for: the seventh starts on the device now."""
     pacer, clock, device = make_pacer()
     for _ in range(6):
         run_step(pacer, clock, device, decode(), 10 * MS, host=1 * MS)
     pacer.step_began()
     clock.advance(1 * MS)
     pacer.launched(decode())
-    pacer.wait_oldest()                    # the step before ends now: the one just launched starts
+    pacer.wait_oldest()
+    return pacer, clock, device
+
+
+def test_delay_ends_the_margin_before_the_estimated_end():
+    pacer, clock, _ = warmed_up_and_launched()   # the step before ends now: the one just launched starts
     started = clock.now
     clock.advance(0.2 * MS)                # the tokens are read, the outputs sent
     margin = 1 * MS + SLACK_S + SLACK_FRACTION * 10 * MS
@@ -118,13 +125,7 @@ def test_margin_covers_the_largest_recent_host_lag():
 
 
 def test_lateness_of_the_loop_counts_in_the_host_lag():
-    pacer, clock, device = make_pacer()
-    for _ in range(6):
-        run_step(pacer, clock, device, decode(), 10 * MS, host=1 * MS)
-    pacer.step_began()
-    clock.advance(1 * MS)
-    pacer.launched(decode())
-    pacer.wait_oldest()
+    pacer, clock, device = warmed_up_and_launched()
     clock.advance(pacer.delay() + 0.5 * MS)    # the loop wakes 0.5 ms after the planned launch
     delay = run_step(pacer, clock, device, decode(), 10 * MS, host=1 * MS)
     assert max(pacer._lags) == pytest.approx(1.5 * MS)

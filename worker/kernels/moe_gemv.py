@@ -184,11 +184,13 @@ def _down_config(top_k: int, inter: int) -> tuple[int, int, int]:
     return 2, min(max(16, 2048 // block_j), triton.next_power_of_2(inter)), 4
 
 
-def _lora_args(lora: MoELoRAStep | None, b: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[list, dict]:
-    """The kernels' LoRA pointer/stride arguments and constexprs (a placeholder tensor, never read, without LoRA)."""
+def _lora_args(lora: MoELoRAStep | None, b_name: str, placeholder: torch.Tensor) -> tuple[list, dict]:
+    """The kernels' LoRA pointer/stride arguments and constexprs for the B of `b_name` (gate_up_b or down_b); a
+    placeholder tensor, never read, without LoRA."""
     if lora is None:
         return [placeholder] * 6 + [0] * 6, dict(HAS_LORA=False, BLOCK_R=1)
     w, ws = lora.weights, lora.workspace
+    b = getattr(w, b_name)
     assert b.stride(3) == 1 and w.scalings.stride(1) == 1
     return ([ws.xa, b, w.scalings, lora.token_slots, lora.ranks, w.shared_outer,
              ws.xa.stride(0), b.stride(0), b.stride(1), b.stride(2), w.scalings.stride(0), w.shared_outer.stride(0)],
@@ -215,7 +217,7 @@ def small_batch_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
     if lora is not None:
         shrink_rows(x, topk_ids, lora, gate_up=True, programmatic_launch=programmatic_launch)
-    args, consts = _lora_args(lora, None if lora is None else lora.weights.gate_up_b, topk_ids)
+    args, consts = _lora_args(lora, "gate_up_b", topk_ids)
     block_n, block_k, warps = configs.get("gate_up") or _gate_up_config(hidden)
     max_rank = lora.workspace.max_rank if lora is not None else 1
     _gate_up_act_kernel[(rows, triton.cdiv(inter, block_n))](
@@ -225,7 +227,7 @@ def small_batch_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
     if lora is not None:
         shrink_rows(act[:rows], topk_ids, lora, gate_up=False, programmatic_launch=programmatic_launch)
-    args, consts = _lora_args(lora, None if lora is None else lora.weights.down_b, topk_ids)
+    args, consts = _lora_args(lora, "down_b", topk_ids)
     block_n, block_k, warps = configs.get("down") or _down_config(top_k, inter)
     _down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         act, down, topk_ids, topk_weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1),

@@ -57,7 +57,6 @@ class StepPaths:
         self._since, self._counts, self._largest_eager = now, {}, 0
 
 
-
 @dataclass
 class ModelOutput:
     token_ids: list[int]                   # one per sampling sequence, in batch order
