@@ -11,7 +11,8 @@ are the same steps with async scheduling off (each step's tokens read back befor
 "graphs-cublas" runs send every projection to cuBLAS: batch 1 instead of the small-batch GEMV (kernels/gemv.py),
 batch 32 instead of the skinny kernel (kernels/skinny_gemm.py); "graphs-nopdl" runs launch every kernel only
 once the one before it has ended (kernels/pdl.py). Each of the last three is the engine built with one
-KernelConfig choice off (MODE_KERNELS).
+KernelConfig choice off (MODE_KERNELS). "graphs-large" (only when named) is a serving batch: 256 rows of the base
+model, of one adapter, and over 64 adapters (an engine of 256 sequences and 64 slots), profiled with --profile.
 """
 from __future__ import annotations
 
@@ -37,16 +38,21 @@ logger = logging.getLogger(__name__)
 # run name -> (batch size, adapter of each sequence, cycled); adapters a0..a31 are rank 16
 RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"]),
         "b32_32lora16": (32, [f"a{i}" for i in range(32)])}
+LARGE_RUNS = {"b256_base": (256, [None]), "b256_lora16": (256, ["a0"]),
+              "b256_64lora16": (256, [f"a{i}" for i in range(64)])}
 MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
              "graphs-cublas": list(RUNS),        # what the small-batch GEMV and the skinny kernel buy
-             "graphs-nopdl": list(RUNS)}         # what programmatic dependent launch buys
+             "graphs-nopdl": list(RUNS),         # what programmatic dependent launch buys
+             "graphs-large": list(LARGE_RUNS)}   # a serving batch: 256 rows, 64 slots (ratios within the mode)
 # the engine's kernel choices per mode (the other modes: KernelConfig's defaults)
 MODE_KERNELS = {"graphs-inline": KernelConfig(lora_side_stream=False),
                 "graphs-cublas": KernelConfig(gemv_row_limit=0, skinny_row_limit=0),
                 "graphs-nopdl": KernelConfig(programmatic_launch=False)}
-PROFILED = ["b1_base", "b32_base", "b32_32lora16"]
+PROFILED = {"graphs": ["b1_base", "b32_base", "b32_32lora16"], "eager": ["b1_base", "b32_base", "b32_32lora16"],
+            "graphs-large": MODE_RUNS["graphs-large"]}
+LARGE = {"max_seqs": 256, "max_loras": 64, "kv_bytes": 20 << 30}   # the graphs-large engine
 
 
 def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
@@ -66,10 +72,11 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
-                 kernels: KernelConfig = KernelConfig(), mixed_graph_max_tokens: int = 1024) -> Engine:
+                 kernels: KernelConfig = KernelConfig(), mixed_graph_max_tokens: int = 1024,
+                 kv_bytes: int = 6 << 30) -> Engine:
     return Engine(WorkerConfig(
         ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
-        cache=CacheConfig(kv_cache_memory_bytes=6 << 30),
+        cache=CacheConfig(kv_cache_memory_bytes=kv_bytes),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096), kernels=kernels,
         device="cuda", enforce_eager=eager, async_scheduling=async_scheduling,
@@ -115,13 +122,15 @@ def time_decode(engine: Engine, batch: int, adapters: list[str | None], steps: i
     assert engine.num_running == batch, "a request stopped before the timing ended"
     result = {"batch": batch, "step_ms_median": 1e3 * statistics.median(wall),
               "step_ms_mean": 1e3 * statistics.fmean(wall)}
-    if engine.runner.graph_runner is not None:
-        result["replay_ms"] = replay_ms(engine, batch, any(adapters))
+    graph_runner = engine.runner.graph_runner
+    if graph_runner is not None:
+        lora = "grouped" if graph_runner.last_replay == "grouped" else any(adapters)
+        result.update(graph="grouped" if lora == "grouped" else "decode", replay_ms=replay_ms(engine, batch, lora))
     abort_all(engine, request_ids)
     return result
 
 
-def replay_ms(engine: Engine, batch: int, lora: bool, iters: int = 50) -> float:
+def replay_ms(engine: Engine, batch: int, lora: bool | str, iters: int = 50) -> float:
     """GPU time of the decode graph alone (the last step's inputs, replayed), timed with CUDA events:
     the step's wall time minus this is host work and sampling."""
     # the last step must have filled every row this graph reads (rows past a smaller batch's bucket are stale)
@@ -178,6 +187,14 @@ def _against_graphs(mode: str, names: dict[str, str]) -> dict:
 
 RATIOS = {   # name: (numerator run, its field, denominator run, its field)
     "b1_base_step_over_floor": ("graphs_b1_base", "step_ms_median", "graphs_b1_base", "floor_ms"),
+    "b256_lora16_over_b256_base":
+        ("graphs-large_b256_lora16", "step_ms_median", "graphs-large_b256_base", "step_ms_median"),
+    "b256_64lora16_over_b256_base":
+        ("graphs-large_b256_64lora16", "step_ms_median", "graphs-large_b256_base", "step_ms_median"),
+    "b256_lora16_replay_over_b256_base_replay":
+        ("graphs-large_b256_lora16", "replay_ms", "graphs-large_b256_base", "replay_ms"),
+    "b256_64lora16_replay_over_b256_base_replay":
+        ("graphs-large_b256_64lora16", "replay_ms", "graphs-large_b256_base", "replay_ms"),
     "b1_lora16_over_b1_base": ("graphs_b1_lora16", "step_ms_median", "graphs_b1_base", "step_ms_median"),
     "b32_32lora16_over_floor_with_adapters":
         ("graphs_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "floor_ms"),
@@ -208,24 +225,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="also record per-kernel device time per step")
-    parser.add_argument("--modes", nargs="+", choices=list(MODE_RUNS), default=list(MODE_RUNS),
-                        help="engine modes to time (default: all); ratios are given where their runs were made")
+    parser.add_argument("--modes", nargs="+", choices=list(MODE_RUNS),
+                        default=[mode for mode in MODE_RUNS if mode != "graphs-large"],
+                        help="engine modes to time (default: all but graphs-large); ratios are given where their "
+                             "runs were made")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arch = ArchConfig.from_dir(args.model)
     bandwidth = copy_bandwidth()
     results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(32)]
+        num_adapters = 64 if "graphs-large" in args.modes else 32
+        adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda"))
+                    for i in range(num_adapters)]
         for mode in args.modes:
-            engine = build_engine(args.model, 32, 32, eager=mode == "eager", async_scheduling=mode != "graphs-sync",
-                                  kernels=MODE_KERNELS.get(mode, KernelConfig()))
-            for i, path in enumerate(adapters):
+            sizes = LARGE if mode == "graphs-large" else {"max_seqs": 32, "max_loras": 32}
+            engine = build_engine(args.model, sizes["max_seqs"], sizes["max_loras"], eager=mode == "eager",
+                                  async_scheduling=mode != "graphs-sync",
+                                  kernels=MODE_KERNELS.get(mode, KernelConfig()),
+                                  kv_bytes=sizes.get("kv_bytes", 6 << 30))
+            for i, path in enumerate(adapters[:sizes["max_loras"]]):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)
             results["weight_bytes"] = base
             for name in MODE_RUNS[mode]:
-                batch, names = RUNS[name]
+                batch, names = {**RUNS, **LARGE_RUNS}[name]
                 result = time_decode(engine, batch, names, args.steps)
                 n_adapters = len({n for n in names if n})
                 floor_ms = 1e3 * (base + n_adapters * adapter_bytes(arch, 16)) / bandwidth
@@ -234,9 +258,10 @@ def main() -> None:
                 logger.info("%s %s: %s", mode, name, result)
                 if args.out:          # after every run, so a run that dies keeps the figures before it
                     Path(args.out).write_text(json.dumps({**results, "ratios": ratios(results["runs"])}, indent=2))
-            if args.profile and mode in ("graphs", "eager"):
-                for name in PROFILED:
-                    results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, *RUNS[name])
+            if args.profile:
+                for name in PROFILED.get(mode, []):
+                    batch, names = {**RUNS, **LARGE_RUNS}[name]
+                    results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, batch, names)
             del engine
             gc.collect()
             torch.cuda.empty_cache()

@@ -145,14 +145,15 @@ class Progress:
 
 
 async def run(endpoint: Endpoint, specs: list[RequestSpec], due: list[float], max_concurrency: int | None,
-              progress: Progress, timeout_s: float) -> tuple[list[RequestRecord], float]:
-    """Send each request at its due time (seconds after the start), at most `max_concurrency` in flight.
+              progress: Progress, timeout_s: float, start: float | None = None) -> tuple[list[RequestRecord], float]:
+    """Send each request at its due time (seconds after the start: `start`, a time.perf_counter() value, or now),
+    at most `max_concurrency` in flight.
 
     Returns the records in request order and the duration, from the start to the last response.
     """
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     async with _client(timeout_s) as client:
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
 
         async def one(spec: RequestSpec, at: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
@@ -165,6 +166,62 @@ async def run(endpoint: Endpoint, specs: list[RequestSpec], due: list[float], ma
         duration = time.perf_counter() - start
     progress.close()
     return list(records), duration
+
+
+STREAMS_PER_CLIENT = 64   # streams one client process times faithfully: on the H100 machine one process was at 100% of a
+                          # core with 256 streams of ~30 tokens/s each, and the server's batches stayed under half full
+
+
+def client_processes(requested: int, max_concurrency: int | None) -> int:
+    """How many client processes send a run: `requested`, or (0) one per STREAMS_PER_CLIENT streams in flight,
+    at most one per core; one for a run without a concurrency cap."""
+    if requested > 0:
+        return requested
+    if not max_concurrency:
+        return 1
+    return max(1, min(os.cpu_count() or 1, math.ceil(max_concurrency / STREAMS_PER_CLIENT)))
+
+
+def deal(specs: list[RequestSpec], max_concurrency: int | None, processes: int) -> list[tuple[list[int], int | None]]:
+    """Each client process's share of a run: the request indices dealt round robin and its cap on requests in
+    flight, the caps summing to `max_concurrency`; fewer processes than asked where there are fewer requests or
+    streams."""
+    processes = max(1, min(processes, len(specs), max_concurrency or processes))
+    return [(list(range(p, len(specs), processes)),
+             None if not max_concurrency else max_concurrency // processes + (p < max_concurrency % processes))
+            for p in range(processes)]
+
+
+def _run_share(endpoint: Endpoint, specs: list[RequestSpec], due: list[float], max_concurrency: int | None,
+               timeout_s: float, barrier) -> tuple[list[RequestRecord], float, float]:
+    """One client process's share: waits for every process at the barrier, then runs; returns its records (send
+    times after its own start), its start and its end (time.perf_counter(): the system-wide monotonic clock)."""
+    barrier.wait(timeout=300)
+    start = time.perf_counter()
+    records, duration = asyncio.run(run(endpoint, specs, due, max_concurrency, Progress(0, False), timeout_s, start))
+    return records, start, start + duration
+
+
+async def run_processes(endpoint: Endpoint, specs: list[RequestSpec], due: list[float], max_concurrency: int | None,
+                        processes: int, timeout_s: float) -> tuple[list[RequestRecord], float]:
+    """run() over several client processes started together, so that parsing the streams of hundreds of requests
+    does not slow the client down (and with it the requests it sends next). Records in request order, send times
+    after the earliest start; the duration from that start to the last response."""
+    import multiprocessing
+    shares = deal(specs, max_concurrency, processes)
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(len(shares)) as pool:
+        barrier = manager.Barrier(len(shares))
+        args = [(endpoint, [specs[i] for i in indices], [due[i] for i in indices], cap, timeout_s, barrier)
+                for indices, cap in shares]
+        results = await asyncio.to_thread(pool.starmap, _run_share, args, 1)
+    start = min(first for _, first, _ in results)
+    records: list[RequestRecord | None] = [None] * len(specs)
+    for (indices, _), (share, first, _) in zip(shares, results):
+        for i, record in zip(indices, share):
+            record.send_time += first - start
+            records[i] = record
+    return records, max(end for _, _, end in results) - start
 
 
 async def warm_up(endpoint: Endpoint, specs: list[RequestSpec], timeout_s: float) -> None:
@@ -253,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     add_workload_arguments(parser)
     add("--warmup-requests", type=int, default=0, help="sent (and not counted) before the run")
+    add("--client-processes", type=int, default=0,
+        help=f"processes that send the requests (default: one per {STREAMS_PER_CLIENT} of --max-concurrency, at "
+             "most one per core)")
     add("--seed", type=int, default=0)
     add("--request-timeout", type=float, default=6 * 3600.0, help="seconds")
     add("--out", help="result JSON path (default: bench-serve-<preset>-<time>.json); plots go beside it")
@@ -263,10 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def benchmark(endpoint: Endpoint, workload: Workload, seed: int, warmup: int, progress: bool,
-                    timeout_s: float) -> tuple[list[RequestRecord], float]:
-    """Warm up, then run the workload; the records and the run's duration."""
+                    timeout_s: float, client_processes: int = 1) -> tuple[list[RequestRecord], float]:
+    """Warm up, then run the workload (over `client_processes` processes when more than one); the records and the
+    run's duration."""
     await warm_up(endpoint, dataclasses.replace(workload, num_prompts=warmup).requests(seed + 1), timeout_s)
     specs, due = workload.requests(seed), workload.arrival_times(seed)
+    if client_processes > 1:
+        logger.info("%d requests over %d client processes", len(specs), client_processes)
+        return await run_processes(endpoint, specs, due, workload.max_concurrency, client_processes, timeout_s)
     return await run(endpoint, specs, due, workload.max_concurrency,
                      Progress(len(specs), progress), timeout_s)
 
@@ -284,8 +348,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = workload_from_args(args)
     model = args.model or asyncio.run(served_base_model(args.base_url.rstrip("/"), auth_headers(args.api_key)))
     endpoint = Endpoint(args.base_url.rstrip("/"), model, args.api_key, args.adapter_field, args.ignore_eos)
+    processes = client_processes(args.client_processes, workload.max_concurrency)
     records, duration = asyncio.run(benchmark(endpoint, workload, args.seed, args.warmup_requests,
-                                              not args.no_progress, args.request_timeout))
+                                              not args.no_progress, args.request_timeout, processes))
     summary = summarize(records, duration)
     logger.info("\n%s", format_summary(summary, f"Serving benchmark: {args.preset or 'custom'}"))
     return write_result(records, summary, _settings(args, endpoint, workload), args.out,
@@ -294,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _settings(args: argparse.Namespace, endpoint: Endpoint, workload: Workload) -> dict[str, Any]:
     settings = {"preset": args.preset, "seed": args.seed, "warmup_requests": args.warmup_requests,
+                "client_processes": client_processes(args.client_processes, workload.max_concurrency),
                 **dataclasses.asdict(endpoint), **dataclasses.asdict(workload)}
     settings.pop("api_key")
     if math.isinf(settings["request_rate"]):

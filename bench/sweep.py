@@ -7,7 +7,9 @@ one adapter, and N distinct adapters, against one running server.
 For each adapter setting and concurrency c: 2c requests (at least 16) are sent at once with at most c in
 flight, fixed `--input-len` / `--output-len` (`ignore_eos`), so the steady state holds c streams. "one": every
 request on `lora-0`; "many": requests cycle over `lora-0` .. `lora-(N-1)` (the server needs them, e.g.
-`--lora-modules` of `bench.make_adapters --num N`). Writes each point's summary (bench/report.py) to the JSON
+`--lora-modules` of `bench.make_adapters --num N`). From 65 streams the requests go out from several client
+processes (`--client-processes`, default one per 64 streams): one process parsing 256 streams was the
+bottleneck of earlier runs. Writes each point's summary (bench/report.py) to the JSON
 and, with matplotlib, `<out>.png`: throughput and TPOT p50 against concurrency, one line per setting.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import summarize
-from bench.serve import Endpoint, auth_headers, benchmark, served_base_model
+from bench.serve import Endpoint, auth_headers, benchmark, client_processes, served_base_model
 from bench.workloads import Workload, adapter_names
 
 logger = logging.getLogger("bench.sweep")
@@ -43,7 +45,8 @@ def point(summary: dict[str, Any], setting: str, concurrency: int) -> dict[str, 
 
 
 def sweep(endpoint: Endpoint, settings: list[str], levels: list[int], input_len: int, output_len: int,
-          num_loras: int, vocab_size: int, seed: int = 0, warmup: int = 0) -> list[dict[str, Any]]:
+          num_loras: int, vocab_size: int, seed: int = 0, warmup: int = 0,
+          processes: int = 0) -> list[dict[str, Any]]:
     """Every (setting, concurrency) point in turn, each after `warmup` requests of its own workload (untimed):
     a server's first point otherwise pays for its first steps, first adapter loads and first connections."""
     points = []
@@ -51,8 +54,10 @@ def sweep(endpoint: Endpoint, settings: list[str], levels: list[int], input_len:
         for c in levels:
             load = workload(setting, c, input_len, output_len, num_loras, vocab_size)
             records, duration = asyncio.run(benchmark(endpoint, load, seed, warmup=warmup, progress=False,
-                                                      timeout_s=3600.0))
-            points.append(point(summarize(records, duration), setting, c))
+                                                      timeout_s=3600.0,
+                                                      client_processes=client_processes(processes, c)))
+            points.append({**point(summarize(records, duration), setting, c),
+                           "client_processes": client_processes(processes, c)})
             logger.info("%s", points[-1])
     return points
 
@@ -97,6 +102,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     add("--output-len", type=int, default=256)
     add("--vocab-size", type=int, default=1000)
     add("--warmup", type=int, default=0, help="untimed requests before each point (0: none, as earlier runs)")
+    add("--client-processes", type=int, default=0,
+        help="processes that send each point's requests (default: one per 64 streams, at most one per core; "
+             "earlier runs: one)")
     add("--out", default="sweep.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     base_url = args.base_url.rstrip("/")
     endpoint = Endpoint(base_url, asyncio.run(served_base_model(base_url, auth_headers(args.api_key))), args.api_key)
     points = sweep(endpoint, args.adapters, args.concurrency, args.input_len, args.output_len, args.num_loras,
-                   args.vocab_size, warmup=args.warmup)
+                   args.vocab_size, warmup=args.warmup, processes=args.client_processes)
     out = Path(args.out)
     out.write_text(json.dumps({"settings": vars(args), "points": points}, indent=1))
     plot(points, out.with_suffix(".png"))

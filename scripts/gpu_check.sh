@@ -78,11 +78,12 @@ for stage in $stages; do
     serve-moe)   # the MoE preset on Qwen3-30B-A3B's shape with 24 of its 48 layers (weights, 8 slots fit an 80 GB card)
              mkdir -p /tmp/qwen3-moe-24 && python3 -c "import json; c = json.load(open('bench/configs/qwen3-30b-a3b/config.json')); c['num_hidden_layers'] = 24; json.dump(c, open('/tmp/qwen3-moe-24/config.json', 'w'))"
              MODEL=/tmp/qwen3-moe-24 serve_preset moe-expert-adapters ;;
-    concurrency)   # bench.sweep: 1-512 streams: base, one adapter, 64 distinct adapters (8B, 64 slots)
+    concurrency)   # bench.sweep: 1-512 streams: base, one adapter, 64 distinct adapters (8B, 64 slots); SERVER_ARGS: more
+                   # server flags; the worker logs its steps' paths every 10 s
              [ -d /tmp/tok-128256 ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok-128256
              python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-sweep --num 64 --rank 16 > /dev/null 2>&1
-             python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \
-               --port 8100 --uvicorn-log-level warning --max-num-seqs 512 --max-loras 64 \
+             LORAPLEX_STEP_LOG_S=10 python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \
+               --port 8100 --uvicorn-log-level warning --max-num-seqs 512 --max-loras 64 ${SERVER_ARGS:-} \
                --lora-modules $(for a in /tmp/adapters-sweep/*; do echo "${a##*/}=$a"; done) >> "$OUT/sweep.log" 2>&1 &
              pid=$!
              for _ in $(seq 180); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done

@@ -18,12 +18,20 @@ def test_every_ratio_names_runs_that_some_mode_makes():
 
 def test_each_mode_compared_against_graphs_has_its_ratios():
     """The modes added to compare one setting (nopdl, cublas, inline, sync, eager) each have a ratio against
-    the default graphs runs."""
+    the default graphs runs (graphs-large, a batch the others do not run, compares its runs among themselves)."""
     for mode in decode_step.MODE_RUNS:
-        if mode == "graphs":
+        if mode in ("graphs", "graphs-large"):
             continue
         assert any(num.startswith(mode + "_") and den.startswith("graphs_")
                    for num, _, den, _ in decode_step.RATIOS.values()), mode
+
+
+def test_the_large_batch_compares_adapters_against_its_own_base_run():
+    adapted = {run for run in decode_step.LARGE_RUNS if run != "b256_base"}
+    compared = {num.removeprefix("graphs-large_") for num, _, den, _ in decode_step.RATIOS.values()
+                if den == "graphs-large_b256_base"}
+    assert compared == adapted
+    assert len(set(decode_step.LARGE_RUNS["b256_64lora16"][1])) == decode_step.LARGE["max_loras"]
 
 
 def test_ratios_are_given_only_where_both_runs_were_made():

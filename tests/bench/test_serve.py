@@ -268,3 +268,38 @@ def test_jsonl_prompts_are_counted_by_the_server(server, tmp_path):
     tokenizer = tokenizers.Tokenizer.from_file(str(demo.model_dir / "tokenizer.json"))
     assert [r["prompt_tokens"] for r in result["records"]] == [len(tokenizer.encode(t).ids) for t in texts]
     assert [r["output_tokens"] for r in result["records"]] == [3, 3]
+
+
+# several client processes
+
+def test_client_processes_default_to_one_per_64_streams_within_the_cores(monkeypatch):
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 8)
+    assert [serve.client_processes(0, c) for c in (None, 1, 64, 65, 256, 512, 4096)] == [1, 1, 1, 2, 4, 8, 8]
+    assert serve.client_processes(3, 256) == 3 and serve.client_processes(2, None) == 2
+
+
+@pytest.mark.parametrize("num, cap, processes", [(10, 4, 3), (7, None, 2), (5, 2, 4), (3, 8, 4)])
+def test_deal_covers_every_request_once_with_caps_summing_to_the_concurrency(num, cap, processes):
+    specs = Workload(num_prompts=num, input_len=(2, 2)).requests(seed=0)
+    shares = serve.deal(specs, cap, processes)
+    assert sorted(i for indices, _ in shares for i in indices) == list(range(num))
+    assert all(indices == sorted(indices) and indices for indices, _ in shares)
+    assert len(shares) == min(processes, num, cap or processes)
+    if cap is None:
+        assert all(c is None for _, c in shares)
+    else:
+        assert all(c >= 1 for _, c in shares) and sum(c for _, c in shares) == cap
+
+
+def test_a_run_over_two_client_processes_adds_up_against_a_live_server(server):
+    """Records come back in request order with their adapters; send times count from the earliest process's
+    start (both start together at a barrier), and the duration covers the last response."""
+    url, _ = server
+    endpoint = Endpoint(url, SERVED_MODEL_NAME)
+    specs = Workload(num_prompts=6, input_len=(4, 8), output_len=(3, 3), adapters=tuple(SERVED_ADAPTERS),
+                     adapter_choice="distinct").requests(seed=1)
+    records, duration = asyncio.run(serve.run_processes(endpoint, specs, [0.0] * 6, 2, 2, 60.0))
+    assert [r.adapter for r in records] == [s.adapter for s in specs]
+    assert all(r.ok and r.output_tokens == 3 and r.prompt_tokens == s.prompt_len for r, s in zip(records, specs))
+    assert min(r.send_time for r in records) < 0.5
+    assert max(r.send_time + r.e2el for r in records) <= duration + 1e-6

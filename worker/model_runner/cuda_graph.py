@@ -156,8 +156,9 @@ class CUDAGraphRunner:
         grouped = 2 * runs <= len(batch.seqs) and runs < self.inputs.grouped_segments(size)
         return "grouped" if grouped else True
 
-    def decode_graph(self, num_seqs: int, lora: bool) -> torch.cuda.CUDAGraph:
-        """The decode graph that runs batches of `num_seqs` sequences, with or without LoRA. A replay reads
+    def decode_graph(self, num_seqs: int, lora: bool | str) -> torch.cuda.CUDAGraph:
+        """The decode graph that runs batches of `num_seqs` sequences, with or without LoRA ("grouped": the
+        grouped-LoRA graph of the bucket). A replay reads
         whatever the latest build left in the input buffers (bench.decode_step times the device work alone)."""
         bucket = next(b for b in self.buckets if b >= num_seqs)
         return self.graphs[("decode", bucket, lora)][0]

@@ -17,11 +17,12 @@ def test_counts_each_path_and_logs_them_once_an_interval_has_passed(caplog):
         now[0] += STEP_LOG_INTERVAL_S
         paths.count("decode", 8)
     assert [r.getMessage() for r in caplog.records] == [
-        "steps in 60 s: 4 decode graphs (2 with LoRA grouped by adapter), 1 mixed-batch graphs, 2 eager "
-        "(largest 3000 tokens)"]
+        "steps in 60 s: 4 decode graphs (138 rows on average, 2 with LoRA grouped by adapter), 1 mixed-batch graphs "
+        "(900 tokens on average), 2 eager (largest 3000 tokens)"]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="worker.model_runner.runner"):
         now[0] += STEP_LOG_INTERVAL_S
         paths.count("mixed", 64)
-    assert caplog.records[0].getMessage() == ("steps in 60 s: 0 decode graphs (0 with LoRA grouped by adapter), "
-                                              "1 mixed-batch graphs, 0 eager (largest 0 tokens)")
+    assert caplog.records[0].getMessage() == ("steps in 60 s: 0 decode graphs (0 rows on average, 0 with LoRA grouped "
+                                              "by adapter), 1 mixed-batch graphs (64 tokens on average), 0 eager "
+                                              "(largest 0 tokens)")
