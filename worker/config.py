@@ -78,8 +78,9 @@ class KernelConfig:
                                       # beside its base GEMM (False: in line)
     grouped_lora_min_rows: int = 32   # decode graphs of at least this many sequences also capture LoRA over rows
                                       # grouped by adapter (cuda_graph.py), replayed when rows share adapters (0: never)
-    lora_tile_map_max_tokens: int = 1024  # mixed-batch graphs of at most this many tokens run LoRA over 16-row tiles
-                                          # from the host's tile map, K split in the shrink (0: none)
+    lora_tile_map_max_tokens: int = 1 << 20   # mixed-batch graphs of at most this many tokens (default: all) run
+                                              # LoRA over 16-row tiles from the host's tile map, K split in the
+                                              # shrink; larger ones search their tiles (0: every mixed graph)
     one_shot_all_reduce_bytes: int = 4 << 20   # tensor parallelism: all-reduces up to this size sum over NVLink
                                                # peer memory in one shot (distributed/all_reduce.py); NCCL above (0: all)
     all_reduce_kernel: str = "symm_mem"   # what sums those: torch's symm_mem op after a copy, or "triton", one

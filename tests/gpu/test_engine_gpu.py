@@ -109,6 +109,27 @@ def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
     assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, f"{arch} grouped")
 
 
+# eight prompts of ~200 tokens: one mixed step of ~1,600 tokens (the tiny models hold 256 positions)
+LONG_ROWS = [(200, None), (190, "r4-qv"), (210, "r8-all"), (180, "r16-mlp-rs"), (205, "r8-all"), (195, None),
+             (215, "r4-qv"), (185, "r8-all")]
+
+
+def test_mixed_graphs_above_1024_tokens_run_lora_from_the_tile_map_and_match_hf_peft(hf_models):
+    """A prefill step of ~1,600 tokens with adapters replays a mixed graph whose LoRA runs over the host's tile
+    map (KernelConfig.lora_tile_map_max_tokens covers every mixed graph since searched tiles cost 4x more at
+    256 sequences); its tokens equal the eager engine's and every row tracks HF+PEFT."""
+    model_dir = hf_models["llama"]
+    engine = make_engine(model_dir, enforce_eager=False, max_num_batched_tokens=2048)
+    steps: list = []
+    tokens, logits = run(engine, LONG_ROWS, capture_logits=True, steps=steps)
+    assert sum(n for _, _, n in steps[0]) == sum(n for n, _ in LONG_ROWS) > 1024
+    assert engine.runner.graph_runner.replays["mixed"] >= 1
+    assert engine.runner.graph_runner.tile_map_max_tokens >= sum(n for n, _ in LONG_ROWS)
+    eager, _ = run(make_engine(model_dir, enforce_eager=True, max_num_batched_tokens=2048), LONG_ROWS)
+    assert eager == tokens
+    assert_rows_track_hf(model_dir, LONG_ROWS, tokens, logits, "llama long prompts")
+
+
 @pytest.mark.parametrize("num_rows,chunk", [(len(ROWS), None), (2, None), (len(ROWS), 24)],
                          ids=["cublas-batch", "gemv-batch", "chunked-prefill"])
 def test_graphs_and_eager_give_identical_tokens(hf_models, num_rows, chunk):
