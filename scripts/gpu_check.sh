@@ -93,11 +93,12 @@ for stage in $stages; do
     tp)      # tensor parallelism (2 GPUs): its GPU tests, the all-reduce bench, then 8B TP=1 and TP=2 servers side by
              # side: 1 and 32 streams, base and 32 distinct adapters (TPOT p50 is the decode step)
              # TP_TESTS=0 / TP_BENCH=0 skip the tests / the all-reduce bench; TP_SIZES: the servers (default "2 1");
-             # TP_CONCURRENCY: the sweep's stream counts (default "1 32")
+             # TP_CONCURRENCY: the sweep's stream counts (default "1 32"); TP_TEST_K: a pytest -k selection of the tests
+             # (run with -s, so a hung test's stack dumps reach the log)
              failed=0
              if [ "${TP_TESTS:-1}" = 1 ]; then
-               timeout 400 python3 -m pytest -x -q -rA -p no:cacheprovider tests/gpu/test_all_reduce_gpu.py \
-                 tests/gpu/test_tensor_parallel_gpu.py > "$OUT/tp_tests.log" 2>&1 || failed=1
+               timeout 400 python3 -m pytest -x -q -s -rA -p no:cacheprovider ${TP_TEST_K:+-k "$TP_TEST_K"} \
+                 tests/gpu/test_all_reduce_gpu.py tests/gpu/test_tensor_parallel_gpu.py > "$OUT/tp_tests.log" 2>&1 || failed=1
              fi
              if [ "${TP_BENCH:-1}" = 1 ]; then
                timeout 200 python3 -m bench.all_reduce --check --out "$OUT/all_reduce.json" > "$OUT/all_reduce.log" 2>&1 || failed=1

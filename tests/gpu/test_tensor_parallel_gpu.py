@@ -85,12 +85,17 @@ def _call(conn, fn, args, dump_after: float) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
-def in_process(fn, *args, timeout: float = 150):
+IN_PROCESS_TIMEOUT_S = float(os.environ.get("TP_TEST_TIMEOUT_S", 150))
+
+
+def in_process(fn, *args, timeout: float = IN_PROCESS_TIMEOUT_S):
     """fn(*args) in a fresh spawned process; its result, or its traceback as a failure. A run that hangs has
-    rank 0's stacks dumped to stderr shortly before the timeout, and the followers' (SIGUSR1) at it."""
+    rank 0's stacks dumped to stderr shortly before the timeout, and the followers' (SIGUSR1) at it: run pytest
+    with -s, or its capture holds them, and lost if an outer timeout kills pytest first (TP_TEST_TIMEOUT_S
+    shortens the wait)."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_call, args=(theirs, fn, args, timeout - 10))
+    proc = ctx.Process(target=_call, args=(theirs, fn, args, max(timeout - 10, timeout / 2)))
     proc.start()
     theirs.close()
     try:
