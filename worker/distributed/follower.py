@@ -13,9 +13,9 @@ rank 0's watchdog turns into a stopped server rather than a wrong answer.
 from __future__ import annotations
 
 import concurrent.futures
+import faulthandler
 import logging
 import pickle
-import faulthandler
 import signal
 import sys
 from collections import OrderedDict, deque
