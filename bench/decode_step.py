@@ -12,7 +12,8 @@ are the same steps with async scheduling off (each step's tokens read back befor
 batch 32 instead of the skinny kernel (kernels/skinny_gemm.py); "graphs-nopdl" runs launch every kernel only
 once the one before it has ended (kernels/pdl.py). Each of the last three is the engine built with one
 KernelConfig choice off (MODE_KERNELS). "graphs-large" (only when named) is a serving batch: 256 rows of the base
-model, of one adapter, and over 64 adapters (an engine of 256 sequences and 64 slots), profiled with --profile.
+model, of one adapter, and over 64 adapters (an engine of 256 sequences and 64 slots), profiled with --profile;
+"graphs-large-inline" the adapter runs with the LoRA kernels in line.
 """
 from __future__ import annotations
 
@@ -45,13 +46,15 @@ MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
              "graphs-cublas": list(RUNS),        # what the small-batch GEMV and the skinny kernel buy
              "graphs-nopdl": list(RUNS),         # what programmatic dependent launch buys
-             "graphs-large": list(LARGE_RUNS)}   # a serving batch: 256 rows, 64 slots (ratios within the mode)
+             "graphs-large": list(LARGE_RUNS),   # a serving batch: 256 rows, 64 slots (ratios within the mode)
+             "graphs-large-inline": list(LARGE_RUNS)[1:]}   # the side stream at 256 rows (against graphs-large)
 # the engine's kernel choices per mode (the other modes: KernelConfig's defaults)
 MODE_KERNELS = {"graphs-inline": KernelConfig(lora_side_stream=False),
+                "graphs-large-inline": KernelConfig(lora_side_stream=False),
                 "graphs-cublas": KernelConfig(gemv_row_limit=0, skinny_row_limit=0),
                 "graphs-nopdl": KernelConfig(programmatic_launch=False)}
 PROFILED = {"graphs": ["b1_base", "b32_base", "b32_32lora16"], "eager": ["b1_base", "b32_base", "b32_32lora16"],
-            "graphs-large": MODE_RUNS["graphs-large"]}
+            "graphs-large": MODE_RUNS["graphs-large"], "graphs-large-inline": MODE_RUNS["graphs-large-inline"]}
 LARGE = {"max_seqs": 256, "max_loras": 64, "kv_bytes": 20 << 30}   # the graphs-large engine
 
 
@@ -158,6 +161,11 @@ def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps
         torch.cuda.synchronize()
     assert engine.num_running == batch, "a request stopped before the profile ended"
     abort_all(engine, request_ids)
+    return per_kernel_summary(prof, steps)
+
+
+def per_kernel_summary(prof, steps: int, top: int = 30) -> dict:
+    """A profile's device time per step of each kernel (by name, largest first), and their sums."""
     per_kernel: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -167,7 +175,7 @@ def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
     return {"kernel_ms_per_step": sum(ms for ms, _ in per_kernel.values()),
             "launches_per_step": sum(n for _, n in per_kernel.values()),
-            "kernels": [{"name": name, "ms": ms, "count": n} for name, (ms, n) in rows[:30]]}
+            "kernels": [{"name": name, "ms": ms, "count": n} for name, (ms, n) in rows[:top]]}
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -195,6 +203,8 @@ RATIOS = {   # name: (numerator run, its field, denominator run, its field)
         ("graphs-large_b256_lora16", "replay_ms", "graphs-large_b256_base", "replay_ms"),
     "b256_64lora16_replay_over_b256_base_replay":
         ("graphs-large_b256_64lora16", "replay_ms", "graphs-large_b256_base", "replay_ms"),
+    **{f"{run}_inline_over_side_stream": (f"graphs-large-inline_{run}", "step_ms_median", f"graphs-large_{run}",
+                                          "step_ms_median") for run in ("b256_lora16", "b256_64lora16")},
     "b1_lora16_over_b1_base": ("graphs_b1_lora16", "step_ms_median", "graphs_b1_base", "step_ms_median"),
     "b32_32lora16_over_floor_with_adapters":
         ("graphs_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "floor_ms"),
@@ -226,8 +236,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="also record per-kernel device time per step")
     parser.add_argument("--modes", nargs="+", choices=list(MODE_RUNS),
-                        default=[mode for mode in MODE_RUNS if mode != "graphs-large"],
-                        help="engine modes to time (default: all but graphs-large); ratios are given where their "
+                        default=[mode for mode in MODE_RUNS if not mode.startswith("graphs-large")],
+                        help="engine modes to time (default: all but graphs-large*); ratios are given where their "
                              "runs were made")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -235,11 +245,11 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     results: dict = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bandwidth / 1e9, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        num_adapters = 64 if "graphs-large" in args.modes else 32
+        num_adapters = 64 if any(mode.startswith("graphs-large") for mode in args.modes) else 32
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda"))
                     for i in range(num_adapters)]
         for mode in args.modes:
-            sizes = LARGE if mode == "graphs-large" else {"max_seqs": 32, "max_loras": 32}
+            sizes = LARGE if mode.startswith("graphs-large") else {"max_seqs": 32, "max_loras": 32}
             engine = build_engine(args.model, sizes["max_seqs"], sizes["max_loras"], eager=mode == "eager",
                                   async_scheduling=mode != "graphs-sync",
                                   kernels=MODE_KERNELS.get(mode, KernelConfig()),

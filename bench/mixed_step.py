@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.decode_step import abort_all, build_engine, start_requests
+from bench.decode_step import abort_all, build_engine, per_kernel_summary, start_requests
 from bench.make_adapters import make_adapter
 from worker.config import KernelConfig, WorkerConfig
 from worker.engine import Engine
@@ -58,7 +58,7 @@ def mixed_steps(engine: Engine, decode_rows: int, adapters: list[str | None], st
         t0 = time.perf_counter()
         outputs = engine.step()
         wall.append(time.perf_counter() - t0)
-        first_tokens = {o.request_id for o in outputs if o.request_id in set(new)}
+        first_tokens = {o.request_id for o in outputs} & set(new)
         assert len(first_tokens) == prefills, f"step {step} prefilled {len(first_tokens)} of {prefills} prompts"
         abort_all(engine, new)
     assert engine.num_running == decode_rows, "a decode request stopped before the timing ended"
@@ -71,7 +71,6 @@ def kernel_profile(engine: Engine, decode_rows: int, adapters: list[str | None],
     """Device time per mixed step of each kernel (by name), largest first."""
     from torch.profiler import ProfilerActivity, profile
     running = start_requests(engine, decode_rows, adapters, "p")
-    per_kernel: dict[str, list[float]] = {}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for step in range(steps):
             new = add_prompts(engine, 20_000 + step, prefills, prompt_len, adapters, vocab)
@@ -79,14 +78,7 @@ def kernel_profile(engine: Engine, decode_rows: int, adapters: list[str | None],
             abort_all(engine, new)
         torch.cuda.synchronize()
     abort_all(engine, running)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_kernel.setdefault(event.name[:90], [0.0, 0])
-            entry[0] += event.time_range.elapsed_us() / 1e3 / steps
-            entry[1] += 1 / steps
-    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    return {"kernel_ms_per_step": sum(ms for ms, _ in per_kernel.values()),
-            "kernels": [{"name": name, "ms": ms, "count": n} for name, (ms, n) in rows[:25]]}
+    return per_kernel_summary(prof, steps, top=25)
 
 
 def main() -> None:

@@ -18,11 +18,13 @@ def test_every_ratio_names_runs_that_some_mode_makes():
 
 def test_each_mode_compared_against_graphs_has_its_ratios():
     """The modes added to compare one setting (nopdl, cublas, inline, sync, eager) each have a ratio against
-    the default graphs runs (graphs-large, a batch the others do not run, compares its runs among themselves)."""
+    the default graphs runs (graphs-large, a batch the others do not run, compares its runs among themselves, and
+    graphs-large-inline against it)."""
     for mode in decode_step.MODE_RUNS:
         if mode in ("graphs", "graphs-large"):
             continue
-        assert any(num.startswith(mode + "_") and den.startswith("graphs_")
+        against = "graphs-large_" if mode.startswith("graphs-large") else "graphs_"
+        assert any(num.startswith(mode + "_") and den.startswith(against)
                    for num, _, den, _ in decode_step.RATIOS.values()), mode
 
 
