@@ -2,7 +2,7 @@
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
-#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway]
+#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large]
 # Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
 # into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
@@ -48,6 +48,13 @@ for stage in $stages; do
                --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;
     floor)   # the memory floor and graph-mode decode steps only: beside the serving presets in one run
              timeout 120 python3 -m bench.decode_step --modes graphs --out "$OUT/decode_floor.json" > "$OUT/floor.log" 2>&1 ;;
+    large)   # a serving batch's steps, 8B shape: 256 decode rows (base, one adapter, 64 adapters; LoRA beside the
+             # base GEMMs and in line) and a mixed step of 192 rows + 1,024 prompt tokens, each profiled
+             failed=0
+             timeout 300 python3 -m bench.decode_step --modes graphs-large graphs-large-inline --profile \
+               --out "$OUT/decode_large.json" > "$OUT/large.log" 2>&1 || failed=1
+             timeout 200 python3 -m bench.mixed_step --profile --out "$OUT/mixed_step.json" >> "$OUT/large.log" 2>&1 || failed=1
+             (exit $failed) ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     structured)   # a decode step with a quarter of the batch constrained (JSON schema) against none, 8B shape
              timeout 400 python3 -m bench.structured_step --out "$OUT/structured.json" > "$OUT/structured.log" 2>&1 ;;
