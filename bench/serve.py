@@ -172,14 +172,22 @@ STREAMS_PER_CLIENT = 64   # streams one client process times faithfully: on the 
                           # core with 256 streams of ~30 tokens/s each, and the server's batches stayed under half full
 
 
-def client_processes(requested: int, max_concurrency: int | None) -> int:
-    """How many client processes send a run: `requested`, or (0) one per STREAMS_PER_CLIENT streams in flight,
-    at most one per core; one for a run without a concurrency cap."""
+def client_processes(requested: int, streams: int | None) -> int:
+    """How many client processes send a run: `requested`, or (0) one per STREAMS_PER_CLIENT of the `streams` it
+    may have in flight (streams_in_flight), at most one per core; one when that is not bounded."""
     if requested > 0:
         return requested
-    if not max_concurrency:
+    if not streams:
         return 1
-    return max(1, min(os.cpu_count() or 1, math.ceil(max_concurrency / STREAMS_PER_CLIENT)))
+    return max(1, min(os.cpu_count() or 1, math.ceil(streams / STREAMS_PER_CLIENT)))
+
+
+def streams_in_flight(workload: Workload) -> int | None:
+    """The most requests a workload has in flight: its concurrency cap, all of them when they are sent at once,
+    else unbounded (None: it depends on the server's speed)."""
+    if workload.max_concurrency:
+        return workload.max_concurrency
+    return workload.num_prompts if math.isinf(workload.request_rate) else None
 
 
 def deal(specs: list[RequestSpec], max_concurrency: int | None, processes: int) -> list[tuple[list[int], int | None]]:
@@ -311,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(parser)
     add("--warmup-requests", type=int, default=0, help="sent (and not counted) before the run")
     add("--client-processes", type=int, default=0,
-        help=f"processes that send the requests (default: one per {STREAMS_PER_CLIENT} of --max-concurrency, at "
-             "most one per core)")
+        help=f"processes that send the requests (default: one per {STREAMS_PER_CLIENT} requests that may be in "
+             "flight, by --max-concurrency or all at once, at most one per core)")
     add("--seed", type=int, default=0)
     add("--request-timeout", type=float, default=6 * 3600.0, help="seconds")
     add("--out", help="result JSON path (default: bench-serve-<preset>-<time>.json); plots go beside it")
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = workload_from_args(args)
     model = args.model or asyncio.run(served_base_model(args.base_url.rstrip("/"), auth_headers(args.api_key)))
     endpoint = Endpoint(args.base_url.rstrip("/"), model, args.api_key, args.adapter_field, args.ignore_eos)
-    processes = client_processes(args.client_processes, workload.max_concurrency)
+    processes = client_processes(args.client_processes, streams_in_flight(workload))
     records, duration = asyncio.run(benchmark(endpoint, workload, args.seed, args.warmup_requests,
                                               not args.no_progress, args.request_timeout, processes))
     summary = summarize(records, duration)
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _settings(args: argparse.Namespace, endpoint: Endpoint, workload: Workload) -> dict[str, Any]:
     settings = {"preset": args.preset, "seed": args.seed, "warmup_requests": args.warmup_requests,
-                "client_processes": client_processes(args.client_processes, workload.max_concurrency),
+                "client_processes": client_processes(args.client_processes, streams_in_flight(workload)),
                 **dataclasses.asdict(endpoint), **dataclasses.asdict(workload)}
     settings.pop("api_key")
     if math.isinf(settings["request_rate"]):

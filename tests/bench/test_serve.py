@@ -278,6 +278,13 @@ def test_client_processes_default_to_one_per_64_streams_within_the_cores(monkeyp
     assert serve.client_processes(3, 256) == 3 and serve.client_processes(2, None) == 2
 
 
+@pytest.mark.parametrize("prompts, rate, cap, expected", [(256, math.inf, None, 256), (256, math.inf, 32, 32),
+                                                          (256, 8.0, None, None), (256, 8.0, 100, 100)])
+def test_streams_in_flight_is_the_cap_or_every_request_sent_at_once(prompts, rate, cap, expected):
+    load = Workload(num_prompts=prompts, request_rate=rate, max_concurrency=cap)
+    assert serve.streams_in_flight(load) == expected
+
+
 @pytest.mark.parametrize("num, cap, processes", [(10, 4, 3), (7, None, 2), (5, 2, 4), (3, 8, 4)])
 def test_deal_covers_every_request_once_with_caps_summing_to_the_concurrency(num, cap, processes):
     specs = Workload(num_prompts=num, input_len=(2, 2)).requests(seed=0)
