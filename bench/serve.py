@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -215,7 +216,6 @@ async def run_processes(endpoint: Endpoint, specs: list[RequestSpec], due: list[
     """run() over several client processes started together, so that parsing the streams of hundreds of requests
     does not slow the client down (and with it the requests it sends next). Records in request order, send times
     after the earliest start; the duration from that start to the last response."""
-    import multiprocessing
     shares = deal(specs, max_concurrency, processes)
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, context.Pool(len(shares)) as pool:

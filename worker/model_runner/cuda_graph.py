@@ -158,8 +158,8 @@ class CUDAGraphRunner:
 
     def decode_graph(self, num_seqs: int, lora: bool | str) -> torch.cuda.CUDAGraph:
         """The decode graph that runs batches of `num_seqs` sequences, with or without LoRA ("grouped": the
-        grouped-LoRA graph of the bucket). A replay reads
-        whatever the latest build left in the input buffers (bench.decode_step times the device work alone)."""
+        grouped-LoRA graph of the bucket). A replay reads whatever the latest build left in the input buffers
+        (bench.decode_step times the device work alone)."""
         bucket = next(b for b in self.buckets if b >= num_seqs)
         return self.graphs[("decode", bucket, lora)][0]
 
