@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import random
@@ -36,25 +37,30 @@ logger = logging.getLogger(__name__)
 RUNS = {"base": [None], "lora16": ["a0"], "64lora16": [f"a{i}" for i in range(64)]}   # adapters, cycled
 
 
-def add_prompts(engine: Engine, step: int, count: int, prompt_len: int, adapters: list[str | None],
-                vocab: int) -> list[str]:
-    """`count` new requests of random prompts (none shares a block with any other); their ids."""
-    rng = random.Random(step)
+_PROMPTS = itertools.count()    # every prompt of a bench run its own (no prefix-cache hit across steps or runs)
+
+
+def add_prompts(engine: Engine, count: int, prompt_len: int, adapters: list[str | None], vocab: int) -> list[str]:
+    """`count` new requests of random prompts, none used before in this process (none shares a block with
+    another); their ids."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    ids = [f"new{step}_{i}" for i in range(count)]
-    for i, request_id in enumerate(ids):
-        engine.add_request(request_id, [rng.randrange(vocab) for _ in range(prompt_len)], params,
+    ids = []
+    for i in range(count):
+        n = next(_PROMPTS)
+        rng = random.Random(n)
+        ids.append(f"new{n}")
+        engine.add_request(ids[-1], [rng.randrange(vocab) for _ in range(prompt_len)], params,
                            adapters[i % len(adapters)])
     return ids
 
 
 def mixed_steps(engine: Engine, decode_rows: int, adapters: list[str | None], steps: int, prefills: int,
-                prompt_len: int, vocab: int, timed: bool = True) -> list[float]:
+                prompt_len: int, vocab: int) -> list[float]:
     """Wall times of `steps` mixed steps (each checked to be one: every new prompt whole, every row decoding)."""
     running = start_requests(engine, decode_rows, adapters, "d")
     wall = []
     for step in range(steps):
-        new = add_prompts(engine, step + (0 if timed else 10_000), prefills, prompt_len, adapters, vocab)
+        new = add_prompts(engine, prefills, prompt_len, adapters, vocab)
         t0 = time.perf_counter()
         outputs = engine.step()
         wall.append(time.perf_counter() - t0)
@@ -72,8 +78,8 @@ def kernel_profile(engine: Engine, decode_rows: int, adapters: list[str | None],
     from torch.profiler import ProfilerActivity, profile
     running = start_requests(engine, decode_rows, adapters, "p")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for step in range(steps):
-            new = add_prompts(engine, 20_000 + step, prefills, prompt_len, adapters, vocab)
+        for _ in range(steps):
+            new = add_prompts(engine, prefills, prompt_len, adapters, vocab)
             engine.step()
             abort_all(engine, new)
         torch.cuda.synchronize()
@@ -109,8 +115,8 @@ def main() -> None:
         for i, path in enumerate(adapters):
             engine.add_adapter(f"a{i}", path)
         for name in args.runs:
-            mixed_steps(engine, args.decode_rows, RUNS[name], 3, args.prefills, args.prompt_len, arch.vocab_size,
-                        timed=False)                                     # first captures' and adapters' costs
+            mixed_steps(engine, args.decode_rows, RUNS[name], 3, args.prefills, args.prompt_len,
+                        arch.vocab_size)                                 # first captures' and adapters' costs
             graph_runner = engine.runner.graph_runner
             replays = graph_runner.replays["mixed"] if graph_runner else 0
             wall = mixed_steps(engine, args.decode_rows, RUNS[name], args.steps, args.prefills, args.prompt_len,

@@ -27,3 +27,17 @@ def test_each_timed_step_prefills_every_new_prompt_beside_the_decode_rows(hf_mod
     assert len(wall) == 2 and all(w > 0 for w in wall)
     assert scheduled[-2:] == [(3, 3 + 2 * 6)] * 2          # the two timed steps: 3 decode rows + 2 whole prompts
     assert not engine.has_unfinished()
+
+
+def test_no_prompt_repeats_across_calls_so_no_run_finds_another_runs_prefix_cached():
+    """The runs share one engine; a prompt repeated under the same adapter in a later run would be served from the
+    prefix cache and shorten that run's steps."""
+    added = []
+
+    class Recorder:
+        def add_request(self, request_id, prompt, params, adapter):
+            added.append((request_id, tuple(prompt), adapter))
+
+    for adapters in (["a0"], [f"a{i}" for i in range(64)], ["a0"]):
+        mixed_step.add_prompts(Recorder(), 8, 16, adapters, vocab=1000)
+    assert len({request_id for request_id, _, _ in added}) == len({prompt for _, prompt, _ in added}) == 24
