@@ -41,6 +41,7 @@ RUNS = {"b1_base": (1, [None]), "b32_base": (32, [None]), "b1_lora16": (1, ["a0"
         "b32_32lora16": (32, [f"a{i}" for i in range(32)])}
 LARGE_RUNS = {"b256_base": (256, [None]), "b256_lora16": (256, ["a0"]),
               "b256_64lora16": (256, [f"a{i}" for i in range(64)])}
+ALL_RUNS = {**RUNS, **LARGE_RUNS}
 MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-sync": ["b1_base", "b32_32lora16"],    # sync: what async scheduling buys, beside it
              "graphs-inline": ["b1_lora16", "b32_32lora16"],   # what the LoRA side stream buys
@@ -259,7 +260,7 @@ def main() -> None:
             base = weight_bytes(engine)
             results["weight_bytes"] = base
             for name in MODE_RUNS[mode]:
-                batch, names = {**RUNS, **LARGE_RUNS}[name]
+                batch, names = ALL_RUNS[name]
                 result = time_decode(engine, batch, names, args.steps)
                 n_adapters = len({n for n in names if n})
                 floor_ms = 1e3 * (base + n_adapters * adapter_bytes(arch, 16)) / bandwidth
@@ -270,7 +271,7 @@ def main() -> None:
                     Path(args.out).write_text(json.dumps({**results, "ratios": ratios(results["runs"])}, indent=2))
             if args.profile:
                 for name in PROFILED.get(mode, []):
-                    batch, names = {**RUNS, **LARGE_RUNS}[name]
+                    batch, names = ALL_RUNS[name]
                     results.setdefault("profile", {})[f"{mode}_{name}"] = kernel_profile(engine, batch, names)
             del engine
             gc.collect()

@@ -53,11 +53,10 @@ def sweep(endpoint: Endpoint, settings: list[str], levels: list[int], input_len:
     for setting in settings:
         for c in levels:
             load = workload(setting, c, input_len, output_len, num_loras, vocab_size)
+            senders = client_processes(processes, c)
             records, duration = asyncio.run(benchmark(endpoint, load, seed, warmup=warmup, progress=False,
-                                                      timeout_s=3600.0,
-                                                      client_processes=client_processes(processes, c)))
-            points.append({**point(summarize(records, duration), setting, c),
-                           "client_processes": client_processes(processes, c)})
+                                                      timeout_s=3600.0, client_processes=senders))
+            points.append({**point(summarize(records, duration), setting, c), "client_processes": senders})
             logger.info("%s", points[-1])
     return points
 

@@ -31,8 +31,8 @@ class Attention(nn.Module):
             from worker.kernels.attention import paged_attention
             from worker.kernels.fused import rotary_store_kv
             pdl = self.kernels.programmatic_launch
+            # q_norm and k_norm share the model's rms_norm_eps (models/llama.py): the kernel takes one eps
             norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-            assert qk_norm is None or qk_norm[0].eps == qk_norm[1].eps
             rotary_store_kv(batch.positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
                             batch.slot_mapping, qkv_delta, programmatic_launch=pdl, qk_norm=norms)
             return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from worker.distributed.group import FollowerRanks
 
 logger = logging.getLogger(__name__)
-STEP_LOG_INTERVAL_S = 60.0   # LORAPLEX_STEP_LOG_S overrides it (benchmarks whose runs are shorter than a minute)
+STEP_LOG_INTERVAL_S = float(os.environ.get("LORAPLEX_STEP_LOG_S", 60.0))   # benchmarks of runs under a minute set it
 
 
 class StepPaths:
@@ -37,23 +37,24 @@ class StepPaths:
     by adapter, a mixed-batch graph, or eagerly), the mean tokens of each kind of step and the largest eager step,
     so that a serving run's log shows whether its steps replay graphs and how full its batches are."""
 
-    def __init__(self, clock=time.monotonic, interval_s: float = STEP_LOG_INTERVAL_S):
-        self._clock, self._interval_s = clock, interval_s
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
         self._reset(clock())
 
     def count(self, path: str, num_tokens: int) -> None:
-        """path: "decode", "grouped", "mixed" or "eager"."""
-        self._counts[path] = self._counts.get(path, 0) + 1
-        self._tokens[path] = self._tokens.get(path, 0) + num_tokens
+        """path: "decode", "grouped" (a decode graph too), "mixed" or "eager"."""
+        kinds = ("decode", path) if path == "grouped" else (path,)
+        for kind in kinds:
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+            self._tokens[kind] = self._tokens.get(kind, 0) + num_tokens
         if path == "eager":
             self._largest_eager = max(self._largest_eager, num_tokens)
         now = self._clock()
-        if now - self._since >= self._interval_s:
+        if now - self._since >= STEP_LOG_INTERVAL_S:
             c, t = self._counts, self._tokens
-            decode = c.get("decode", 0) + c.get("grouped", 0)
             logger.info("steps in %.0f s: %d decode graphs (%.0f rows on average, %d with LoRA grouped by adapter), "
                         "%d mixed-batch graphs (%.0f tokens on average), %d eager (largest %d tokens)",
-                        now - self._since, decode, (t.get("decode", 0) + t.get("grouped", 0)) / max(decode, 1),
+                        now - self._since, c.get("decode", 0), t.get("decode", 0) / max(c.get("decode", 0), 1),
                         c.get("grouped", 0), c.get("mixed", 0), t.get("mixed", 0) / max(c.get("mixed", 0), 1),
                         c.get("eager", 0), self._largest_eager)
             self._reset(now)
@@ -146,7 +147,7 @@ class ModelRunner:
         self.kv_pool = KVPool(arch, cache.block_size, num_blocks, dtype, device)
         logger.info(self.kv_pool.describe(max_model_len))
         self.graph_runner = None
-        self.step_paths = StepPaths(interval_s=float(os.environ.get("LORAPLEX_STEP_LOG_S", STEP_LOG_INTERVAL_S)))
+        self.step_paths = StepPaths()
         if device.type == "cuda":
             self._warm_up(cache.block_size, min(sched.max_num_batched_tokens, max_model_len, 80), sched.max_num_seqs)
         if use_graphs:
