@@ -109,6 +109,27 @@ def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
     assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, f"{arch} grouped")
 
 
+def test_expand_inside_silu_and_mul_matches_the_separate_expand_and_hf_peft(hf_models):
+    """gate_up's LoRA expand run inside the SiLU-and-mul (KernelConfig.lora_expand_in_consumers, on by default)
+    in the grouped decode graphs and the mixed graphs (both on the tile map): the same tokens as with the expand
+    on its own, logits within a few roundings of it (the fused kernel may round a multiply-add once instead of
+    twice), and every row tracks HF+PEFT."""
+    model_dir = hf_models["llama"]
+    kernels = dict(grouped_lora_min_rows=4)
+    separate_tokens, separate = run(make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(
+        **kernels, lora_expand_in_consumers=False)), SHARED_ROWS, capture_logits=True)
+    engine = make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(**kernels))
+    assert engine.runner.model.layers[0].mlp.gate_up_proj.kernels.lora_expand_in_consumers
+    tokens, logits = run(engine, SHARED_ROWS, capture_logits=True)
+    assert engine.runner.graph_runner.replays["grouped"] >= NUM_STEPS - 2
+    assert engine.runner.graph_runner.replays["mixed"] >= 1
+    assert tokens == separate_tokens
+    for request_id, rows in separate.items():
+        for a, b in zip(logits[request_id], rows, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0.05 * b.abs().max().item())
+    assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, "llama expand inside SiLU-and-mul")
+
+
 # eight prompts of ~200 tokens: one mixed step of ~1,600 tokens (the tiny models hold 256 positions)
 LONG_ROWS = [(200, None), (190, "r4-qv"), (210, "r8-all"), (180, "r16-mlp-rs"), (205, "r8-all"), (195, None),
              (215, "r4-qv"), (185, "r8-all")]

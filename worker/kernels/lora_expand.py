@@ -180,3 +180,91 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
         xa.stride(0) if split_k > 1 else 0, xa.stride(-2), b.stride(0), b.stride(1), scalings.stride(0), num_segments,
         SLICE_OFFSETS=offsets_const, NUM_SLICES=num_slices, MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles,
         SPLIT_K=split_k, FLAT=flat, TILE_MAP=tile_map is not None, ACCUMULATE=accumulate, **cfg)
+
+
+@triton.jit
+def _lora_expand_silu_mul_kernel(
+        out_ptr, y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, tile_map_ptr,
+        inter, stride_om, stride_ym, stride_xas, stride_xam, stride_bw, stride_bo, stride_sw,
+        MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
+    # program (tile * NUM_N_TILES + n_tile) owns out[the tile's rows, n tile]: gate columns n tile of y, up
+    # columns inter + n tile; tiles from the host's map (kernels/tile_map.py)
+    n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
+    seg, m0, seg_end = mapped_tile(tile_map_ptr, seg_indptr_ptr, tl.program_id(0) // NUM_N_TILES)
+    if seg < 0:
+        return
+    w = tl.load(weight_indices_ptr + seg)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < seg_end
+    mask_n = offs_n < inter
+    mask = mask_m[:, None] & mask_n[None, :]
+    g_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    g = tl.load(g_ptrs, mask=mask, other=0.0)
+    u = tl.load(g_ptrs + inter, mask=mask, other=0.0)
+    if w >= 0:
+        rank = tl.load(ranks_ptr + w)
+        b_slot_ptr = b_ptr + w.to(tl.int64) * stride_bw
+        if rank <= 2 * BLOCK_R:
+            dg = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, 0, rank, stride_xas, stride_xam,
+                              stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R)
+            du = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, inter + offs_n, mask_n, MAX_RANK, rank, stride_xas,
+                              stride_xam, stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R)
+        else:
+            dg = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, 0, rank, stride_xas, stride_xam,
+                              stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
+            du = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, inter + offs_n, mask_n, MAX_RANK, rank, stride_xas,
+                              stride_xam, stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
+        scalings = scalings_ptr + w.to(tl.int64) * stride_sw
+        g = (dg * tl.load(scalings) + g.to(tl.float32)).to(g.dtype)
+        u = (du * tl.load(scalings + 1) + u.to(tl.float32)).to(u.dtype)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def silu_mul_config(max_rank: int) -> dict:
+    """Launch keywords of lora_expand_silu_mul: grouped_config's tiles, BLOCK_N columns of gate and of up each."""
+    return {**grouped_config(max_rank), "BLOCK_N": 128}
+
+
+def lora_expand_silu_mul(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor,
+                         weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+                         tile_map: torch.Tensor, out: torch.Tensor | None = None,
+                         config: dict | None = None) -> torch.Tensor:
+    """The gate_up projection's LoRA expand inside the SiLU-and-mul after it, over a tile-mapped batch: what
+    lora_expand(y, ...) then fused.silu_and_mul(y) compute, without writing y back (y is read once) and in one
+    launch instead of two.
+
+    Semantics, for every row t of a segment i with w = weight_indices[i], c < I = y.shape[1] // 2:
+        g, u = y[t, c], y[t, I + c]
+        if w >= 0: g = round(g + scalings[w, 0] * xa[t, :rank] . b[w, c, :rank])
+                   u = round(u + scalings[w, 1] * xa[t, R:R + rank] . b[w, I + c, :rank])   (float32 sums)
+        out[t, c] = round(round(silu(g)) * u)
+    Rows in no segment (a mixed graph's padding) are not written; y is not modified.
+
+    y: [T, 2I] (gate | up); xa: [T, 2R] or lora_shrink's [split_k, T, 2R] float32 partial sums; b: [slots, 2I, R];
+    scalings: [slots, 2]; tile_map: the host's map of TILE_ROWS-row tiles (LoRABatchInfo.tile_map), whose length
+    sets the grid; out: a [T, I] buffer, else a new tensor. No host-device sync.
+    """
+    num_tokens, inter, max_rank = y.shape[0], y.shape[1] // 2, b.shape[2]
+    split_k = xa.shape[0] if xa.dim() == 3 else 1
+    assert y.shape[1] == 2 * inter == b.shape[1] and xa.shape[-2:] == (num_tokens, 2 * max_rank), "y, xa, b disagree"
+    assert y.stride(1) == 1 and xa.stride(-1) == 1 and b.stride(2) == 1, "y, xa and b need a contiguous last dim"
+    assert scalings.shape == (b.shape[0], 2) and scalings.stride(1) == 1
+    if out is None:
+        out = torch.empty(num_tokens, inter, dtype=y.dtype, device=y.device)
+    assert out.shape == (num_tokens, inter) and out.dtype == y.dtype and out.stride(1) == 1
+    cfg = config or silu_mul_config(max_rank)
+    assert cfg["BLOCK_M"] == TILE_ROWS, "the tile map's tiles are TILE_ROWS rows"
+    num_n_tiles = triton.cdiv(inter, cfg["BLOCK_N"])
+    grid = (tile_map.numel() // 2 * num_n_tiles,)
+    if grid[0]:
+        _lora_expand_silu_mul_kernel[grid](
+            out, y, xa, b, seg_indptr, weight_indices, ranks, scalings, tile_map, inter, out.stride(0), y.stride(0),
+            xa.stride(0) if split_k > 1 else 0, xa.stride(-2), b.stride(0), b.stride(1), scalings.stride(0),
+            MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, SPLIT_K=split_k, **cfg)
+    return out

@@ -19,6 +19,7 @@ class KernelChoices:
     skinny_row_limit: int = 0          # larger ones up to this many kernels/skinny_gemm.py (0: none); cuBLAS above
     programmatic_launch: bool = False  # Triton kernels launch with PDL (kernels/pdl.py); True only where the
                                        # device has it
+    lora_expand_in_consumers: bool = False   # KernelConfig's: gate_up's LoRA expand inside the SiLU-and-mul
     skinny_counters: torch.Tensor | None = None   # [skinny_gemm.NUM_COUNTERS] int32, the arrival counters every
                                                   # skinny_gemm launch on the device shares (None: no skinny GEMM)
 
@@ -34,4 +35,5 @@ class KernelChoices:
                 raise ValueError(f"KernelConfig.{name}={rows} is above what the kernel takes ({limit})")
         return cls(gemv_row_limit=config.gemv_row_limit, skinny_row_limit=config.skinny_row_limit,
                    programmatic_launch=pdl.active(device, config.programmatic_launch),
+                   lora_expand_in_consumers=config.lora_expand_in_consumers,
                    skinny_counters=skinny_gemm.new_counters(device) if config.skinny_row_limit else None)

@@ -3,6 +3,7 @@ rank's shard of a tensor-parallel projection (column- or row-parallel, Megatron-
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,23 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ke
         from worker.kernels.skinny_gemm import skinny_gemm
         return skinny_gemm(x, weight, bias, kernels.skinny_counters, programmatic_launch=kernels.programmatic_launch)
     return F.linear(x, weight, bias)
+
+
+@dataclass
+class PendingExpand:
+    """A projection's LoRA expand left to the kernel that reads the projection's output next, which adds the
+    delta as it loads y (kernels/lora_expand.lora_expand_silu_mul): y is not read and written once more, and
+    the expand costs no launch of its own. Batches on the host's tile map only (LoRABatchInfo.tile_map)."""
+    xa: torch.Tensor         # the shrink's output (or its float32 split-K partials)
+    lora: LoRAWeights
+    info: LoRABatchInfo
+
+    def silu_and_mul(self, y: torch.Tensor) -> torch.Tensor:
+        """fused.silu_and_mul(y + this gate_up projection's LoRA delta): [T, 2I] -> [T, I]."""
+        from worker.kernels.lora_expand import lora_expand_silu_mul
+        w, info = self.lora, self.info
+        return lora_expand_silu_mul(y, self.xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                                    info.tile_map)
 
 
 class Linear(nn.Module):
@@ -143,25 +161,34 @@ class Linear(nn.Module):
                               info.ranks_host, w.scalings, w.slice_offsets)
         return y
 
-    def forward_deferred(self, x: torch.Tensor, lora_info: LoRABatchInfo | None) -> tuple[torch.Tensor,
-                                                                                         torch.Tensor | None]:
+    def forward_deferred(self, x: torch.Tensor, lora_info: LoRABatchInfo | None, silu_and_mul_next: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
         """(y, delta): y = x @ W^T (+ b) and, when the LoRA runs beside the GEMM, its output delta
         ([num_tokens, out_features] float32) for the next kernel to add (kernels/fused.py: round(y + delta)
         is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
         the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
         large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, not a
         CUDA-graph batch (LoRABatchInfo.overlap), not a decode step, or a row-parallel shard at world size > 1 (its
-        delta would be a partial sum, to be added before the all-reduce)."""
+        delta would be a partial sum, to be added before the all-reduce).
+
+        silu_and_mul_next (gate_up, whose caller takes SiLU-and-mul of y next): on a batch with a tile map and
+        KernelChoices.lora_expand_in_consumers, delta is a PendingExpand instead, the expand left for that
+        kernel to run (PendingExpand.silu_and_mul)."""
         w = self.lora
-        if (w is None or self.tp.world_size > 1 or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda
-                or w.lora_stream is None or not lora_info.overlap or lora_info.max_seg_len != 1
+        if w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda:
+            return self.forward(x, lora_info), None
+        if silu_and_mul_next and lora_info.tile_map is not None and self.kernels.lora_expand_in_consumers:
+            assert self.input_shard is None, "a row-parallel shard's expand belongs before its all-reduce"
+            return self._forward_lora_cuda(x, lora_info, defer=False, bias=self.bias, pending=True)
+        if (self.tp.world_size > 1 or w.lora_stream is None or not lora_info.overlap or lora_info.max_seg_len != 1
                 or x.shape[0] > MAX_DEFERRED_TOKENS):
             return self.forward(x, lora_info), None
         return self._forward_lora_cuda(x, lora_info, defer=True, bias=self.bias)
 
-    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo, defer: bool,
-                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Base GEMM (with `bias`) and LoRA on the GPU; returns (y, delta), delta None unless `defer`.
+    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo, defer: bool, bias: torch.Tensor | None,
+                           pending: bool = False) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
+        """Base GEMM (with `bias`) and LoRA on the GPU; returns (y, delta), delta None unless `defer` (the
+        float32 delta) or `pending` (no expand here: a PendingExpand for the next kernel).
 
         The base GEMM and the LoRA shrink both read only x, so with a side stream (CUDA-graph batches only:
         LoRABatchInfo.overlap) the shrink runs there while the GEMM runs. Deferred (decode steps), the expand
@@ -198,6 +225,8 @@ class Linear(nn.Module):
         y = project(x, self.weight, bias, self.kernels, beside_lora=side is not None)
         if side is not None:
             torch.cuda.current_stream(x.device).wait_stream(side)
+        if pending:
+            return y, PendingExpand(xa, w, info)
         if not defer:
             expand.lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
                                w.slice_offsets, info.num_segments, info.max_seg_len, **expand_kw)

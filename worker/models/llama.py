@@ -15,7 +15,7 @@ from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.layers.attention import Attention
 from worker.layers.embedding import Embedding, LMHead
 from worker.layers.kernel_choices import KernelChoices
-from worker.layers.linear import Linear
+from worker.layers.linear import Linear, PendingExpand
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.hf_config import ArchConfig
@@ -71,8 +71,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: [num_tokens, hidden] -> (down_proj output, its deferred LoRA delta or None)."""
-        gate_up, delta = self.gate_up_proj.forward_deferred(x, batch.lora)   # [num_tokens, 2 * intermediate]
-        if gate_up.is_cuda:   # Triton kernel; imported here so CPU-only installs need no triton
+        gate_up, delta = self.gate_up_proj.forward_deferred(x, batch.lora, silu_and_mul_next=True)   # [T, 2I]
+        if isinstance(delta, PendingExpand):      # the LoRA expand runs inside the SiLU-and-mul
+            act = delta.silu_and_mul(gate_up)
+        elif gate_up.is_cuda:   # Triton kernel; imported here so CPU-only installs need no triton
             from worker.kernels.fused import silu_and_mul
             act = silu_and_mul(gate_up, delta, self.kernels.programmatic_launch)
         else:
