@@ -81,9 +81,9 @@ class KernelConfig:
     lora_tile_map_max_tokens: int = 1 << 20   # mixed-batch graphs of at most this many tokens (default: all) run
                                               # LoRA over 16-row tiles from the host's tile map, K split in the
                                               # shrink; larger ones search their tiles (0: all of them search)
-    lora_expand_in_consumers: bool = True   # batches on the tile map: gate_up's LoRA expand runs inside the
-                                            # SiLU-and-mul that reads its output (kernels/lora_expand.py; False:
-                                            # the expand adds into y first)
+    lora_expand_in_consumers: bool = False   # batches on the tile map: gate_up's LoRA expand runs inside the
+                                             # SiLU-and-mul that reads its output (kernels/lora_expand.py). Off:
+                                             # it gains with few adapters and loses over many (BENCHMARKS.md)
     one_shot_all_reduce_bytes: int = 4 << 20   # tensor parallelism: all-reduces up to this size sum over NVLink
                                                # peer memory in one shot (distributed/all_reduce.py); NCCL above (0: all)
     all_reduce_kernel: str = "symm_mem"   # what sums those: torch's symm_mem op after a copy, or "triton", one

@@ -110,15 +110,15 @@ def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
 
 
 def test_expand_inside_silu_and_mul_matches_the_separate_expand_and_hf_peft(hf_models):
-    """gate_up's LoRA expand run inside the SiLU-and-mul (KernelConfig.lora_expand_in_consumers, on by default)
-    in the grouped decode graphs and the mixed graphs (both on the tile map): the same tokens as with the expand
-    on its own, logits within a few roundings of it (the fused kernel may round a multiply-add once instead of
-    twice), and every row tracks HF+PEFT."""
+    """gate_up's LoRA expand run inside the SiLU-and-mul (KernelConfig.lora_expand_in_consumers) in the grouped
+    decode graphs and the mixed graphs (both on the tile map): the same tokens as with the expand on its own,
+    logits within a few roundings of it (the fused kernel may round a multiply-add once instead of twice), and
+    every row tracks HF+PEFT."""
     model_dir = hf_models["llama"]
     kernels = dict(grouped_lora_min_rows=4)
     separate_tokens, separate = run(make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(
         **kernels, lora_expand_in_consumers=False)), SHARED_ROWS, capture_logits=True)
-    engine = make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(**kernels))
+    engine = make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(**kernels, lora_expand_in_consumers=True))
     assert engine.runner.model.layers[0].mlp.gate_up_proj.kernels.lora_expand_in_consumers
     tokens, logits = run(engine, SHARED_ROWS, capture_logits=True)
     assert engine.runner.graph_runner.replays["grouped"] >= NUM_STEPS - 2
