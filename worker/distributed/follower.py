@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from worker.distributed.group import FollowerStart, join_group
+from worker.distributed.group import FollowerStart, join_group, leave_group
 from worker.distributed.step_mirror import StepDecoder, StepMessage
 from worker.lora.adapter import AdapterSpec
 from worker.lora.gpu_pool import GPULoRAPool
@@ -133,8 +133,7 @@ def main(fd: int) -> None:
     try:
         Follower(conn, runner, adapters).serve()
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        leave_group()
 
 
 if __name__ == "__main__":

@@ -139,19 +139,41 @@ class FollowerRanks:
         self._send(("load", ref, spec, slot, rank))
 
     def close(self) -> None:
-        """End the followers (their sockets close; they exit) and leave the process group. Idempotent."""
+        """End the followers (their sockets close; they leave the group and exit) and leave the process group at
+        the same time as they do (leave_group). Idempotent."""
         if self._closing:
             return
         self._closing = True
         for conn in self._conns:
             conn.close()
+        leave_group()
         for proc in self._procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+
+
+LEAVE_GROUP_TIMEOUT_S = 30.0
+
+
+def leave_group(timeout: float = LEAVE_GROUP_TIMEOUT_S) -> None:
+    """Destroy this process's process group, every rank at about the same time (rank 0 after closing the followers'
+    sockets, a follower as its socket closes): NCCL's communicator shutdown may wait for the other ranks', so a
+    rank that waited for the others to exit first would wait forever (it did on two GPUs once the steps ran
+    from CUDA graphs). Bounded all the same: after `timeout` seconds the rank goes on without it (its process is
+    about to exit, which frees what the group holds) and says so."""
+    if not torch.distributed.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        torch.distributed.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="leave-process-group", daemon=True).start()
+    if not done.wait(timeout):
+        logger.warning("Leaving the tensor-parallel process group took over %.0f s; going on without it", timeout)
 
 
 def _free_port() -> int:
