@@ -80,6 +80,8 @@ class Engine:
                           if config.tensor_parallel_size > 1 else None)     # the other tensor-parallel ranks
         self.runner = ModelRunner(config, self.arch, self.device, self.dtype, self.max_model_len,
                                   tp=self.followers.tp if self.followers else SINGLE, followers=self.followers)
+        if self.followers is not None:
+            self.followers.before_leave = self.runner.release_graphs
         self.num_kv_blocks = self.runner.num_kv_blocks
         lora = config.lora
         host_cache = HostCache(lora.max_cpu_loras)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import faulthandler
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -133,7 +134,10 @@ def main(fd: int) -> None:
     try:
         Follower(conn, runner, adapters).serve()
     finally:
-        leave_group()
+        runner.release_graphs()
+        if not leave_group():     # its thread still waits in the shutdown: end the process without joining it
+            logging.shutdown()
+            os._exit(0)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class FollowerRanks:
                              f"{torch.cuda.device_count()} are visible")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._on_rank_exit = on_rank_exit        # None: _exit_process
+        self.before_leave: Callable[[], None] | None = None   # run before leaving the group (the runner's graphs)
         self._closing = False
         self._lock = threading.Lock()        # adapter reads are announced from the loader's threads
         self._conns: list[Connection] = []
@@ -146,6 +147,8 @@ class FollowerRanks:
         self._closing = True
         for conn in self._conns:
             conn.close()
+        if self.before_leave is not None:
+            self.before_leave()
         leave_group()
         for proc in self._procs:
             try:
@@ -157,14 +160,14 @@ class FollowerRanks:
 LEAVE_GROUP_TIMEOUT_S = 30.0
 
 
-def leave_group(timeout: float = LEAVE_GROUP_TIMEOUT_S) -> None:
-    """Destroy this process's process group, every rank at about the same time (rank 0 after closing the followers'
-    sockets, a follower as its socket closes): NCCL's communicator shutdown may wait for the other ranks', so a
-    rank that waited for the others to exit first would wait forever (it did on two GPUs once the steps ran
-    from CUDA graphs). Bounded all the same: after `timeout` seconds the rank goes on without it (its process is
-    about to exit, which frees what the group holds) and says so."""
+def leave_group(timeout: float = LEAVE_GROUP_TIMEOUT_S) -> bool:
+    """Destroy this process's process group, every rank at about the same time (rank 0 after closing the
+    followers' sockets, a follower as its socket closes) and after the rank's CUDA graphs are freed
+    (ModelRunner.release_graphs). On two GPUs the shutdown hung in each rank that still held graphs with
+    captured collectives, and in rank 0 when it waited for the followers to exit first. Bounded all the same:
+    after `timeout` seconds the rank goes on without it and says so. Returns whether the group was left."""
     if not torch.distributed.is_initialized():
-        return
+        return True
     done = threading.Event()
 
     def destroy() -> None:
@@ -174,6 +177,8 @@ def leave_group(timeout: float = LEAVE_GROUP_TIMEOUT_S) -> None:
     threading.Thread(target=destroy, name="leave-process-group", daemon=True).start()
     if not done.wait(timeout):
         logger.warning("Leaving the tensor-parallel process group took over %.0f s; going on without it", timeout)
+        return False
+    return True
 
 
 def _free_port() -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -160,6 +161,15 @@ class ModelRunner:
             taken = free_before - torch.cuda.mem_get_info(device)[0]
             logger.info("CUDA graphs took %.2f GiB (%s)", taken / 2**30,
                         f"planned {self.plan.graphs / 2**30:.2f} GiB" if self.plan else "no memory plan")
+
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs (and their memory pool) before this rank leaves its process group: NCCL's
+        communicator shutdown waits while graphs that captured its collectives exist (distributed/group.py)."""
+        if self.graph_runner is not None:
+            self.graph_runner = None
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _grouped_min_rows(self, config: WorkerConfig) -> int:
         """KernelConfig.grouped_lora_min_rows, 0 (no grouped-LoRA graphs) when the model has no LoRA slots."""

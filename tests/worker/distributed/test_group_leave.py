@@ -14,7 +14,7 @@ def test_leave_group_destroys_the_group(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroyed"))
-    group.leave_group(timeout=5)
+    assert group.leave_group(timeout=5)
     assert calls == ["destroyed"]
 
 
@@ -26,7 +26,7 @@ def test_leave_group_goes_on_when_the_shutdown_hangs(monkeypatch, caplog):
     monkeypatch.setattr(torch.distributed, "destroy_process_group", release.wait)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger=group.__name__):
-        group.leave_group(timeout=0.3)
+        assert not group.leave_group(timeout=0.3)
     assert 0.3 <= time.monotonic() - start < 3
     assert "going on without it" in caplog.text
     release.set()
@@ -35,4 +35,4 @@ def test_leave_group_goes_on_when_the_shutdown_hangs(monkeypatch, caplog):
 def test_leave_group_without_a_group_does_nothing(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: (_ for _ in ()).throw(AssertionError))
-    group.leave_group(timeout=0.1)
+    assert group.leave_group(timeout=0.1)
