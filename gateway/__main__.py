@@ -29,7 +29,8 @@ from typing import Any, Iterator
 
 import uvicorn
 
-from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module, runtime_lora_updating_from_env
+from gateway.config import (GatewayConfig, LoRAModulePath, parse_kernel_config, parse_lora_module,
+                            runtime_lora_updating_from_env)
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 
 logger = logging.getLogger("gateway")
@@ -121,6 +122,9 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
         help="with async scheduling on a GPU, take in requests until just before the running step ends and only "
              "then schedule the next one, so requests arriving meanwhile join it; --no-late-launch schedules the "
              "next step as soon as the previous step's tokens are read (default on)")
+    add("--kernel-config", type=parse_kernel_config, metavar="JSON",
+        help='which kernels the GPU path uses, as a JSON object of worker/config.py KernelConfig fields, e.g. '
+             '\'{"lora_side_stream": false}\' (the rest keep their defaults); for A/B runs')
     add("--seed", type=int, default=ModelConfig.seed)
     add("--host", help="default: all interfaces")
     add("--port", type=int, default=8000)

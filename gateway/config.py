@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from gateway.served_models import adapter_name_problem
-from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,30 @@ def _checked(module: LoRAModulePath) -> LoRAModulePath:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"Invalid --lora-modules name: {problem}")
     return module
+
+
+def parse_kernel_config(text: str) -> KernelConfig:
+    """`--kernel-config`: a JSON object of KernelConfig fields (worker/config.py), the rest at their defaults, as
+    vLLM takes `--compilation-config`: which kernels the GPU path uses, for A/B runs of a live server."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"Invalid JSON for --kernel-config: {text} ({e})") from None
+    names = {f.name: f for f in dataclasses.fields(KernelConfig)}
+    if not isinstance(data, dict) or not data:
+        raise argparse.ArgumentTypeError(f"--kernel-config takes a non-empty JSON object of fields, got {text}")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"Unknown --kernel-config field(s) {', '.join(unknown)}; the fields are "
+                                         f"{', '.join(names)}")
+    for key, value in data.items():
+        kind = type(getattr(KernelConfig(), key))
+        if type(value) is not kind:
+            raise argparse.ArgumentTypeError(f"--kernel-config field {key} takes a {kind.__name__}, got {value!r}")
+    try:
+        return KernelConfig(**data)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"Invalid --kernel-config: {e}") from None
 
 
 def runtime_lora_updating_from_env() -> bool:
@@ -81,6 +106,7 @@ class GatewayConfig:
     enforce_eager: bool = False
     async_scheduling: bool = True
     late_launch: bool = True                       # WorkerConfig.late_launch
+    kernels: KernelConfig = field(default_factory=KernelConfig)   # --kernel-config
     seed: int = ModelConfig.seed
     host: str | None = None
     port: int = 8000
@@ -110,6 +136,7 @@ class GatewayConfig:
                                       max_num_batched_tokens=self.max_num_batched_tokens),
             device=self.device, tensor_parallel_size=self.tensor_parallel_size,
             enforce_eager=self.enforce_eager, async_scheduling=self.async_scheduling, late_launch=self.late_launch,
+            kernels=self.kernels,
         )
 
     @classmethod
@@ -131,7 +158,7 @@ class GatewayConfig:
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             device=args.device, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, load_format=args.load_format,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, late_launch=args.late_launch,
-            seed=args.seed,
+            kernels=args.kernel_config or KernelConfig(), seed=args.seed,
             host=args.host, port=args.port,
             api_key=args.api_key, uvicorn_log_level=args.uvicorn_log_level,
             shutdown_timeout=args.shutdown_timeout,

@@ -10,7 +10,7 @@ from gateway.__main__ import build_parser
 from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module
 from gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_token_ids, decode_body,
                               resolve_max_tokens)
-from worker.config import CacheConfig, LoRAConfig, SchedulerConfig
+from worker.config import CacheConfig, KernelConfig, LoRAConfig, SchedulerConfig
 from worker.ipc.messages import SamplingParams
 
 
@@ -177,6 +177,30 @@ def test_serve_defaults_name_the_model_by_its_path(monkeypatch):
 def test_late_launch_flag_reaches_the_worker(flags, late_launch):
     config = GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m", *flags]))
     assert config.late_launch is late_launch and config.worker_config().late_launch is late_launch
+
+
+def test_kernel_config_flag_sets_the_named_fields_and_keeps_the_rest():
+    config = GatewayConfig.from_args(build_parser().parse_args(
+        ["serve", "--model", "/m", "--kernel-config", '{"lora_expand_in_consumers": true, "skinny_row_limit": 16}']))
+    kernels = config.worker_config().kernels
+    assert kernels.lora_expand_in_consumers is True and kernels.skinny_row_limit == 16
+    assert kernels.lora_side_stream == KernelConfig().lora_side_stream
+    assert GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m"])).worker_config().kernels \
+        == KernelConfig()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{nope", "Invalid JSON for --kernel-config"),
+    ('{"lora_side_streams": false}', "Unknown --kernel-config field(s) lora_side_streams"),
+    ('{"skinny_row_limit": "16"}', "skinny_row_limit takes a int"),
+    ('{"lora_side_stream": 1}', "lora_side_stream takes a bool"),
+    ('{"all_reduce_kernel": "nccl"}', "all_reduce_kernel must be 'symm_mem' or 'triton'"),
+    ("[]", "non-empty JSON object")])
+def test_kernel_config_flag_refuses_bad_json_with_the_reason(capsys, value, message):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["serve", "--model", "/m", "--kernel-config", value])
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_bad_flag_value_exits_with_usage_error():
