@@ -60,8 +60,9 @@ def parse_kernel_config(text: str) -> KernelConfig:
     if unknown:
         raise argparse.ArgumentTypeError(f"Unknown --kernel-config field(s) {', '.join(unknown)}; the fields are "
                                          f"{', '.join(names)}")
+    defaults = KernelConfig()
     for key, value in data.items():
-        kind = type(getattr(KernelConfig(), key))
+        kind = type(getattr(defaults, key))
         if type(value) is not kind:
             raise argparse.ArgumentTypeError(f"--kernel-config field {key} takes a {kind.__name__}, got {value!r}")
     try:

@@ -347,10 +347,9 @@ def test_expand_inside_silu_and_mul_gives_the_reference_and_the_two_kernel_resul
     else:   # lora_shrink's float32 partial sums over ranges of K, summed and rounded by the expand
         xa = torch.stack([xa * 0.25, xa * 0.75]).float()
         xa_eff = xa.sum(0).to(dtype)
-    meta = batch.device_metadata()
+    meta = batch.device_metadata()          # seg_indptr padded to num_segments, as the tile map needs it
     num_tiles = max_tiles(batch.num_tokens, batch.num_segments, 16)
-    tiles = torch.tensor(host_tile_map(batch.seg_indptr + [batch.seg_indptr[-1]] * (batch.num_segments - len(batch.slots)),
-                                       16, num_tiles), dtype=torch.int32, device=DEVICE)
+    tiles = torch.tensor(host_tile_map(meta[0].tolist(), 16, num_tiles), dtype=torch.int32, device=DEVICE)
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=32, num_warps=4, num_stages=1)
     y_before = y.clone()
     out = torch.full((batch.num_tokens, widths[0]), float("nan"), dtype=dtype, device=DEVICE)

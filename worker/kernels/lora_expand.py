@@ -183,6 +183,21 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
 
 
 @triton.jit
+def _rank_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, rank, stride_xas, stride_xam, stride_bo,
+                SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_R_HIGH: tl.constexpr):
+    """_slice_delta in rank steps of BLOCK_R for ranks up to 2 * BLOCK_R, of BLOCK_R_HIGH above (fewer, wider
+    steps), as _lora_expand_kernel steps (which still spells the choice out: moving it here waits for a GPU run)."""
+    if rank <= 2 * BLOCK_R:
+        acc = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, rank, stride_xas, stride_xam,
+                           stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R)
+    else:
+        acc = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, rank, stride_xas, stride_xam,
+                           stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
+    return acc
+
+
+@triton.jit
 def _lora_expand_silu_mul_kernel(
         out_ptr, y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, tile_map_ptr,
         inter, stride_om, stride_ym, stride_xas, stride_xam, stride_bw, stride_bo, stride_sw,
@@ -206,16 +221,10 @@ def _lora_expand_silu_mul_kernel(
     if w >= 0:
         rank = tl.load(ranks_ptr + w)
         b_slot_ptr = b_ptr + w.to(tl.int64) * stride_bw
-        if rank <= 2 * BLOCK_R:
-            dg = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, 0, rank, stride_xas, stride_xam,
-                              stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R)
-            du = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, inter + offs_n, mask_n, MAX_RANK, rank, stride_xas,
-                              stride_xam, stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R)
-        else:
-            dg = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, 0, rank, stride_xas, stride_xam,
-                              stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
-            du = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, inter + offs_n, mask_n, MAX_RANK, rank, stride_xas,
-                              stride_xam, stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
+        dg = _rank_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, 0, rank, stride_xas, stride_xam,
+                         stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_R_HIGH)
+        du = _rank_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, inter + offs_n, mask_n, MAX_RANK, rank, stride_xas,
+                         stride_xam, stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_R_HIGH)
         scalings = scalings_ptr + w.to(tl.int64) * stride_sw
         g = (dg * tl.load(scalings) + g.to(tl.float32)).to(g.dtype)
         u = (du * tl.load(scalings + 1) + u.to(tl.float32)).to(u.dtype)
