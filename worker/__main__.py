@@ -25,6 +25,8 @@ from worker.ipc.shm_ring import ShmRing, ShmRingHandle
 
 logger = logging.getLogger(__name__)
 
+IDLE_POLL_S = 0.005     # with no request unfinished but adapter reads in flight, how often the loop files them
+
 
 class GatewayGone(Exception):
     """The gateway process exited: nobody is left to serve."""
@@ -82,11 +84,16 @@ class Worker:
                 return
             if engine.has_unfinished():
                 self.send_outputs(engine.step())
+            elif engine.has_background_work():
+                self.send_outputs(engine.idle_poll())
             self._send_stats_if_changed(engine)
             self.flush()
-            if not engine.has_unfinished():
+            if engine.has_unfinished():
+                if not self._serve_until(time.monotonic() + engine.launch_delay(), engine):
+                    return
+            elif not engine.has_background_work():
                 self._block_on(self._inbound)
-            elif not self._serve_until(time.monotonic() + engine.launch_delay(), engine):
+            elif not self._serve_until(time.monotonic() + IDLE_POLL_S, engine):    # look again soon
                 return
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from worker.lora.prefetcher import Prefetcher
 from worker.lora.registry import AdapterRegistry
 from worker.lora.slot_layout import PackedReader
 from worker.lora.slot_table import SlotTable
+from worker.model_runner.memory_plan import available_host_bytes, host_cache_capacity
 from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.models.hf_config import ArchConfig
 from worker.request import Request
@@ -84,7 +85,9 @@ class Engine:
             self.followers.before_leave = self.runner.release_graphs
         self.num_kv_blocks = self.runner.num_kv_blocks
         lora = config.lora
-        host_cache = HostCache(lora.max_cpu_loras)
+        host_cache = HostCache(host_cache_capacity(lora.max_cpu_loras, self.runner.lora_pool.layout.num_bytes,
+                                                   config.tensor_parallel_size, available_host_bytes(),
+                                                   lora.max_lora_rank))
         reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
                               read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1,
                               shard=self.runner.model)
@@ -156,6 +159,14 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.structured.num_compiling > 0
+
+    def has_background_work(self) -> bool:
+        """Adapter reads or slot copies in flight (the --lora-modules adapters read at startup, prefetches)."""
+        return self.loads.num_in_flight > 0
+
+    def idle_poll(self) -> list[RequestOutput]:
+        """File the adapter reads and copies that finished while idle, so that they show as resident."""
+        return self._fail_loads(self.loads.collect())
 
     @property
     def num_running(self) -> int:

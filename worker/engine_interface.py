@@ -41,6 +41,15 @@ class EngineInterface(Protocol):
     def has_unfinished(self) -> bool:
         """Whether any request is running or waiting."""
 
+    def has_background_work(self) -> bool:
+        """Whether, with no request unfinished, work still goes on that idle_poll files (adapter reads started at
+        registration); False (this default): none, so an idle worker sleeps until a message comes."""
+        return False
+
+    def idle_poll(self) -> list[RequestOutput]:
+        """File the background work that finished while no request is unfinished; the outputs it produced."""
+        return []
+
     @property
     @abstractmethod
     def num_running(self) -> int:

@@ -1,6 +1,6 @@
 """worker.engine_interface.EngineInterface: exactly what the worker process uses of an engine, and every
 engine the worker can serve (the real one and the two stand-ins) defines all of it with the same parameters; the
-stand-ins, which subclass it, may keep a method's default (launch_delay)."""
+stand-ins, which subclass it, may keep a method's default (launch_delay, has_background_work, idle_poll)."""
 from __future__ import annotations
 
 import ast
@@ -73,8 +73,8 @@ def test_engine_defines_each_method_with_the_interface_parameters(engine, method
     assert parameters(implementation) == parameters(getattr(EngineInterface, method))
 
 
-def test_launch_delay_is_the_one_method_with_a_default():
-    assert DEFAULTED == ["launch_delay"]
+def test_only_launch_delay_and_the_idle_work_have_defaults():
+    assert DEFAULTED == ["has_background_work", "idle_poll", "launch_delay"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

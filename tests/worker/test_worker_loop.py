@@ -4,6 +4,7 @@ while the engine's launch_delay lasts, messages are applied as they arrive, and 
 the next step."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -96,7 +97,7 @@ class PacedEngine(FakeEngine):
 class Served:
     """A Worker serving a PacedEngine in a thread, and the gateway's side: its ends of both rings, the pipe behind
     the worker's parent sentinel, what the serving thread raised."""
-    engine: PacedEngine
+    engine: FakeEngine
     to_worker: ShmRing
     from_worker: ShmRing
     thread: threading.Thread
@@ -110,11 +111,16 @@ class Served:
 
 @pytest.fixture
 def served():
+    with serving(PacedEngine(WorkerConfig(ModelConfig("unused")))) as gateway:
+        yield gateway
+
+
+@contextlib.contextmanager
+def serving(engine: FakeEngine):
     to_worker, inbound_handle = ShmRing.create(1 << 16, "producer")
     from_worker, outbound_handle = ShmRing.create(1 << 16, "consumer")
     sentinel, parent_alive = os.pipe()
     worker = Worker(ShmRing.attach(inbound_handle), ShmRing.attach(outbound_handle), sentinel)
-    engine = PacedEngine(WorkerConfig(ModelConfig("unused")))
     raised: list[BaseException] = []
 
     def serve():
@@ -201,3 +207,29 @@ def test_the_gateway_exiting_during_the_wait_stops_the_worker(served):
     served.thread.join(DELAY_S / 2)
     assert not served.thread.is_alive() and isinstance(served.raised[0], GatewayGone)
     assert served.engine.steps == [["a"]]
+
+
+class ReadingEngine(FakeEngine):
+    """FakeEngine with background work (adapter reads) that ends at its `reads`-th idle poll."""
+
+    def __init__(self, config: WorkerConfig, reads: int):
+        super().__init__(config)
+        self.reads, self.polls = reads, 0
+
+    def has_background_work(self) -> bool:
+        return self.polls < self.reads
+
+    def idle_poll(self) -> list[RequestOutput]:
+        self.polls += 1
+        return []
+
+
+def test_an_idle_worker_files_background_work_until_it_ends_then_sleeps():
+    with serving(ReadingEngine(WorkerConfig(ModelConfig("unused")), reads=5)) as gateway:
+        deadline = time.monotonic() + 5
+        while gateway.engine.polls < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)             # no request came: the loop now sleeps without polling again
+        assert gateway.engine.polls == 5 and gateway.thread.is_alive()
+        send(gateway.to_worker, add("a"))      # and wakes for a request
+        assert [o.request_id for o in next_message(gateway.from_worker, OutputBatch).outputs] == ["a"]

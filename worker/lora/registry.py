@@ -171,7 +171,7 @@ class AdapterRegistry:
     def _check_pin_room(self, name: str) -> None:
         """At least one GPU slot and one host-cache entry must stay free of pinned adapters."""
         pinned = sum(self.versions[ref].pinned for n, ref in self.refs.items() if n != name)
-        room = min(self.config.max_loras, self.config.max_cpu_loras or self.config.max_loras)
+        room = min(self.config.max_loras, self.host_cache.capacity or self.config.max_loras)
         if pinned + 1 >= room:
             raise AdapterError(f"Cannot pin LoRA adapter '{name}': {pinned} adapters are pinned already, and "
                                f"at least one of the {room} adapter places (--max-loras, --max-cpu-loras) must "

@@ -3,12 +3,14 @@ traffic, auto-load from --lora-dir, pinning. Every output is checked against the
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
 from tests.worker.lora.engine_runs import alone, greedy, make_engine, prompt, run, tokens
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError
+from worker.model_runner.memory_plan import MemoryPlanError, available_host_bytes
 
 # runtime changes during traffic
 
@@ -119,3 +121,28 @@ def test_warm_adapters_are_read_into_the_host_cache_before_any_request(llama, va
     assert tokens(outs["r"]) == alone(llama, variants["v1"], prompt(5, 6), 4)
     host = engine.lora_stats().host
     assert (host.hits, host.misses, host.loads) == (1, 0, 2)   # its first request found it in host memory
+
+
+def test_warm_reads_are_filed_while_the_engine_is_idle(llama, variants):
+    engine = make_engine(llama, max_cpu_loras=4, threads=True)
+    for name in ("v0", "v1"):
+        engine.add_adapter(name, variants[name], warm=True)
+    deadline = time.monotonic() + 30
+    while engine.has_background_work() and time.monotonic() < deadline:     # what the idle worker loop does
+        assert engine.idle_poll() == []
+        time.sleep(0.005)
+    assert not engine.has_background_work() and not engine.has_unfinished()
+    assert {s.name: (s.residency, s.loading) for s in engine.adapter_states()} == {
+        "v0": ("host", False), "v1": ("host", False)}
+
+
+def test_a_host_cache_larger_than_the_host_fails_at_startup_and_an_unbounded_one_is_sized_to_fit(llama):
+    available = available_host_bytes()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    sized = make_engine(llama)                                  # --max-cpu-loras not set: as many as fit
+    slot = sized.runner.lora_pool.layout.num_bytes
+    assert sized.adapters.host_cache.capacity == pytest.approx(available // 2 // slot, rel=0.05)
+    too_many = 4 * available // slot
+    with pytest.raises(MemoryPlanError, match=f"--max-cpu-loras {too_many} adapters"):
+        make_engine(llama, max_cpu_loras=too_many)
