@@ -53,7 +53,7 @@ class FollowerStart:
 
 
 def join_group(rank: int, world_size: int, init_method: str, device: torch.device,
-               one_shot_bytes: int, all_reduce_kernel: str = "symm_mem") -> TensorParallel:
+               one_shot_bytes: int, all_reduce_kernel: str = "triton") -> TensorParallel:
     """Join the process group and, on GPUs, attach the one-shot all-reduce for messages up to `one_shot_bytes`
     (distributed/all_reduce.py; 0: NCCL for all), summed by `all_reduce_kernel` (KernelConfig's); every rank
     calls this with the same arguments but its rank."""

@@ -45,8 +45,8 @@ def test_all_reduce_refuses_a_cpu_device():
         AllReduce(None, torch.device("cpu"))
 
 
-def test_all_reduce_kernel_defaults_to_symm_mem_and_accepts_only_the_known_ones():
-    assert KernelConfig().all_reduce_kernel == "symm_mem"
+def test_all_reduce_kernel_defaults_to_triton_and_accepts_only_the_known_ones():
+    assert KernelConfig().all_reduce_kernel == "triton"
     assert [KernelConfig(all_reduce_kernel=k).all_reduce_kernel for k in KERNELS] == ["symm_mem", "triton"]
     with pytest.raises(ValueError, match="all_reduce_kernel must be 'symm_mem' or 'triton', got 'nccl'"):
         KernelConfig(all_reduce_kernel="nccl")
