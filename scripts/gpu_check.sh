@@ -2,7 +2,7 @@
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
-#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large]
+#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large] [scale] [scale-many]
 # Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
 # into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-MODEL=bench/configs/llama-3.1-8b
+MODEL=${MODEL:-bench/configs/llama-3.1-8b}
 
 serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the dummy server of $MODEL (8B unless set) with the
                    # preset's flags and adapters (plus any extra flags), then the preset; results in NAME[SUFFIX].json
@@ -35,6 +35,33 @@ serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the dummy server
   echo "preset $name$suffix: rc=$rc" >> "$OUT/serve.log"
   kill $pid; wait $pid
   return $rc
+}
+
+start_server() {   # start_server LOG ADAPTER_DIR SERVER_FLAG...: the dummy 8B server with every adapter of the folder
+                   # as --lora-modules, on port 8100; waits for /health and sets $server_pid
+  local log=$1 adapters=$2 vocab
+  vocab=$(python3 -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
+  [ -d /tmp/tok-$vocab ] || python3 -m bench.make_tokenizer --vocab-size "$vocab" --out /tmp/tok-$vocab
+  python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-$vocab --load-format dummy --max-model-len 4096 \
+    --port 8100 --uvicorn-log-level warning "${@:3}" \
+    --lora-modules $(for a in "$adapters"/*; do echo "${a##*/}=$a"; done) >> "$log" 2>&1 &
+  server_pid=$!
+  local t0=$SECONDS
+  for _ in $(seq 300); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
+  # the --lora-modules adapters are read into the host cache beside the first steps: wait for them (up to 240 s)
+  for _ in $(seq 240); do
+    curl -sf localhost:8100/v1/adapters | python3 -c "import json, sys; cards = json.load(sys.stdin)['data']; \
+      sys.exit(any(c['loading'] or c['residency'] == 'disk' for c in cards))" && break
+    sleep 1
+  done
+  echo "server up and its adapters in host memory after $((SECONDS - t0)) s" >> "$log"
+  curl -sf localhost:8100/health >/dev/null
+}
+
+scale_run() {   # scale_run NAME BENCH_SERVE_FLAG...: one bench.serve run against port 8100, into $OUT/scale-NAME.json
+  echo "run $1: ${*:2}" >> "$OUT/scale.log"
+  timeout 300 python3 -m bench.serve --base-url http://127.0.0.1:8100 --no-plots --no-progress "${@:2}" \
+    --out "$OUT/scale-$1.json" >> "$OUT/scale.log" 2>&1
 }
 
 stages=${*:-tests decode}
@@ -126,6 +153,66 @@ for stage in $stages; do
                  --num-loras 32 --warmup 8 --output-len 128 --out "$OUT/tp$tp${TP_TAG:-}.json" >> "$OUT/tp_serve.log" 2>&1 || failed=1
                kill $pid; wait $pid
              done
+             (exit $failed) ;;
+    scale)   # issue 20's shapes (prompts ~130 tokens, 256 out, ignore_eos), one server each, runs side by side:
+             # A: 32 rank-16 adapters on all projections, --max-loras 32: the cold burst (32 streams, 32 never-used
+             #    adapters at once), then one 2,500-token prompt at a time (base / one adapter) and 32 at once (base /
+             #    32 adapters), two rounds; B: rank-8 q,k,v,o adapters, --max-loras 32, --max-lora-rank 8, host cache
+             #    for all: 128 in flight of 256 requests, zipf 1.0, base / 8 adapters / 1,000 adapters three times
+             failed=0
+             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-scale32 --num 32 --rank 16 > /dev/null 2>&1
+             short=(--random-input-len 130 --random-output-len 256 --random-range-ratio 0.1)
+             start_server "$OUT/scale.log" /tmp/adapters-scale32 --max-loras 32 --max-cpu-loras 32 || failed=1
+             scale_run cold-burst "${short[@]}" --num-prompts 32 --lora-prefix lora --num-loras 32 \
+               --lora-choice distinct --seed 11 || failed=1
+             for round in 1 2; do
+               long1=(--num-prompts 12 --max-concurrency 1 --random-input-len 2500 --random-output-len 16)
+               long32=(--num-prompts 32 --random-input-len 2500 --random-output-len 128)
+               scale_run long1-base-$round "${long1[@]}" --seed ${round}21 || failed=1
+               scale_run long1-lora-$round "${long1[@]}" --lora-names lora-0 --seed ${round}22 || failed=1
+               scale_run long32-base-$round "${long32[@]}" --seed ${round}23 || failed=1
+               scale_run long32-lora-$round "${long32[@]}" --lora-prefix lora --num-loras 32 --lora-choice distinct \
+                 --seed ${round}24 || failed=1
+             done
+             kill $server_pid; wait $server_pid
+             # 1,000 adapters: 8 written, the other 992 links to them (distinct names, so each is its own host-cache
+             # entry and GPU slot copy; the host cache is warm by the third run, as the issue measured it)
+             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-scale1000 --num 8 --rank 8 \
+               --targets q_proj,k_proj,v_proj,o_proj > /dev/null 2>&1
+             for i in $(seq 8 999); do ln -sfn /tmp/adapters-scale1000/lora-$((i % 8)) /tmp/adapters-scale1000/lora-$i; done
+             start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 32 --max-cpu-loras 1000 --max-lora-rank 8 \
+               --max-num-seqs 256 || failed=1
+             many=("${short[@]}" --num-prompts 256 --max-concurrency 128 --lora-choice zipf --zipf-alpha 1.0)
+             scale_run many-base "${short[@]}" --num-prompts 256 --max-concurrency 128 --seed 31 || failed=1
+             scale_run many-8 "${many[@]}" --lora-prefix lora --num-loras 8 --seed 32 || failed=1
+             for run in 1 2 3; do
+               scale_run many-1000-$run "${many[@]}" --lora-prefix lora --num-loras 1000 --seed 3$((run + 2)) || failed=1
+             done
+             kill $server_pid; wait $server_pid
+             (exit $failed) ;;
+    scale-many)   # the 1,000-adapter shape two more ways: at a fixed Poisson rate (24 req/s, ~70% of what the 8-adapter
+                  # run sustains with 128 in flight) over 8 and over 1,000 adapters (32 slots); then 128 in flight with
+                  # --max-loras 128 (8, then 1,000 adapters twice)
+             failed=0
+             short=(--random-input-len 130 --random-output-len 256 --random-range-ratio 0.1)
+             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-scale1000 --num 8 --rank 8 \
+               --targets q_proj,k_proj,v_proj,o_proj > /dev/null 2>&1
+             for i in $(seq 8 999); do ln -sfn /tmp/adapters-scale1000/lora-$((i % 8)) /tmp/adapters-scale1000/lora-$i; done
+             many=("${short[@]}" --lora-choice zipf --zipf-alpha 1.0 --lora-prefix lora)
+             start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 32 --max-cpu-loras 1000 --max-lora-rank 8 \
+               --max-num-seqs 256 || failed=1
+             rate=(--num-prompts 512 --request-rate 24 --arrival poisson)
+             scale_run rate-8 "${many[@]}" "${rate[@]}" --num-loras 8 --seed 41 || failed=1
+             scale_run rate-1000-1 "${many[@]}" "${rate[@]}" --num-loras 1000 --seed 42 || failed=1
+             scale_run rate-1000-2 "${many[@]}" "${rate[@]}" --num-loras 1000 --seed 43 || failed=1
+             kill $server_pid; wait $server_pid
+             start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 128 --max-cpu-loras 1000 --max-lora-rank 8 \
+               --max-num-seqs 256 || failed=1
+             closed=(--num-prompts 256 --max-concurrency 128)
+             scale_run slots128-8 "${many[@]}" "${closed[@]}" --num-loras 8 --seed 44 || failed=1
+             scale_run slots128-1000-1 "${many[@]}" "${closed[@]}" --num-loras 1000 --seed 45 || failed=1
+             scale_run slots128-1000-2 "${many[@]}" "${closed[@]}" --num-loras 1000 --seed 46 || failed=1
+             kill $server_pid; wait $server_pid
              (exit $failed) ;;
     slora)   failed=0
              for preset in slora-8 slora-100 slora-1000; do SERVE_TIMEOUT=420 serve_preset $preset || failed=1; done
