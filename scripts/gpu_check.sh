@@ -64,6 +64,13 @@ scale_run() {   # scale_run NAME BENCH_SERVE_FLAG...: one bench.serve run agains
     --out "$OUT/scale-$1.json" >> "$OUT/scale.log" 2>&1
 }
 
+make_1000_adapters() {   # /tmp/adapters-scale1000: rank-8 q, k, v, o adapters lora-0..999, 8 written and 992 links to
+                         # them (distinct names, so each is its own host-cache entry and GPU slot copy)
+  python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-scale1000 --num 8 --rank 8 \
+    --targets q_proj,k_proj,v_proj,o_proj > /dev/null 2>&1
+  for i in $(seq 8 999); do ln -sfn /tmp/adapters-scale1000/lora-$((i % 8)) /tmp/adapters-scale1000/lora-$i; done
+}
+
 stages=${*:-tests decode}
 for stage in $stages; do
   start=$(date +%s)
@@ -175,11 +182,7 @@ for stage in $stages; do
                  --seed ${round}24 || failed=1
              done
              kill $server_pid; wait $server_pid
-             # 1,000 adapters: 8 written, the other 992 links to them (distinct names, so each is its own host-cache
-             # entry and GPU slot copy; the host cache is warm by the third run, as the issue measured it)
-             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-scale1000 --num 8 --rank 8 \
-               --targets q_proj,k_proj,v_proj,o_proj > /dev/null 2>&1
-             for i in $(seq 8 999); do ln -sfn /tmp/adapters-scale1000/lora-$((i % 8)) /tmp/adapters-scale1000/lora-$i; done
+             make_1000_adapters
              start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 32 --max-cpu-loras 1000 --max-lora-rank 8 \
                --max-num-seqs 256 || failed=1
              many=("${short[@]}" --num-prompts 256 --max-concurrency 128 --lora-choice zipf --zipf-alpha 1.0)
@@ -195,9 +198,7 @@ for stage in $stages; do
                   # --max-loras 128 (8, then 1,000 adapters twice)
              failed=0
              short=(--random-input-len 130 --random-output-len 256 --random-range-ratio 0.1)
-             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-scale1000 --num 8 --rank 8 \
-               --targets q_proj,k_proj,v_proj,o_proj > /dev/null 2>&1
-             for i in $(seq 8 999); do ln -sfn /tmp/adapters-scale1000/lora-$((i % 8)) /tmp/adapters-scale1000/lora-$i; done
+             make_1000_adapters
              many=("${short[@]}" --lora-choice zipf --zipf-alpha 1.0 --lora-prefix lora)
              start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 32 --max-cpu-loras 1000 --max-lora-rank 8 \
                --max-num-seqs 256 || failed=1
