@@ -139,7 +139,7 @@ for stage in $stages; do
              # TP_TESTS=0 / TP_BENCH=0 skip the tests / the all-reduce bench; TP_SIZES: the servers (default "2 1");
              # TP_CONCURRENCY: the sweep's stream counts (default "1 32"); TP_TEST_K: a pytest -k selection of the tests
              # (run with -s, so a hung test's stack dumps reach the log); TP_SERVER_ARGS: more server flags (e.g.
-             # --kernel-config {"all_reduce_kernel":"triton"}, no spaces), TP_TAG: a suffix for the result files
+             # --kernel-config {"all_reduce_kernel":"symm_mem"}, no spaces), TP_TAG: a suffix for the result files
              failed=0
              if [ "${TP_TESTS:-1}" = 1 ]; then
                timeout 400 python3 -m pytest -x -q -s -rA -p no:cacheprovider ${TP_TEST_K:+-k "$TP_TEST_K"} \
