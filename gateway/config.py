@@ -53,7 +53,7 @@ def parse_kernel_config(text: str) -> KernelConfig:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"Invalid JSON for --kernel-config: {text} ({e})") from None
-    names = {f.name: f for f in dataclasses.fields(KernelConfig)}
+    names = [f.name for f in dataclasses.fields(KernelConfig)]
     if not isinstance(data, dict) or not data:
         raise argparse.ArgumentTypeError(f"--kernel-config takes a non-empty JSON object of fields, got {text}")
     unknown = sorted(set(data) - set(names))

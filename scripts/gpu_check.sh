@@ -37,8 +37,8 @@ serve_preset() {   # serve_preset NAME [SUFFIX SERVER_FLAG...]: the dummy server
   return $rc
 }
 
-start_server() {   # start_server LOG ADAPTER_DIR SERVER_FLAG...: the dummy 8B server with every adapter of the folder
-                   # as --lora-modules, on port 8100; waits for /health and sets $server_pid
+start_server() {   # start_server LOG ADAPTER_DIR SERVER_FLAG...: $MODEL's dummy server with every adapter of the
+                   # folder as --lora-modules, on port 8100; waits for /health and the adapters, sets $server_pid
   local log=$1 adapters=$2 vocab
   vocab=$(python3 -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
   [ -d /tmp/tok-$vocab ] || python3 -m bench.make_tokenizer --vocab-size "$vocab" --out /tmp/tok-$vocab
@@ -62,6 +62,14 @@ scale_run() {   # scale_run NAME BENCH_SERVE_FLAG...: one bench.serve run agains
   echo "run $1: ${*:2}" >> "$OUT/scale.log"
   timeout 300 python3 -m bench.serve --base-url http://127.0.0.1:8100 --no-plots --no-progress "${@:2}" \
     --out "$OUT/scale-$1.json" >> "$OUT/scale.log" 2>&1
+}
+
+SCALE_SHORT=(--random-input-len 130 --random-output-len 256 --random-range-ratio 0.1)   # issue 20's short requests
+
+start_1000_adapter_server() {   # start_1000_adapter_server SLOTS: the server of make_1000_adapters' folder, rank-8 slots,
+                                # every adapter in host memory, up to 256 sequences
+  start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras "$1" --max-cpu-loras 1000 --max-lora-rank 8 \
+    --max-num-seqs 256
 }
 
 make_1000_adapters() {   # /tmp/adapters-scale1000: rank-8 q, k, v, o adapters lora-0..999, 8 written and 992 links to
@@ -168,13 +176,12 @@ for stage in $stages; do
              #    for all: 128 in flight of 256 requests, zipf 1.0, base / 8 adapters / 1,000 adapters three times
              failed=0
              python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-scale32 --num 32 --rank 16 > /dev/null 2>&1
-             short=(--random-input-len 130 --random-output-len 256 --random-range-ratio 0.1)
              start_server "$OUT/scale.log" /tmp/adapters-scale32 --max-loras 32 --max-cpu-loras 32 || failed=1
-             scale_run cold-burst "${short[@]}" --num-prompts 32 --lora-prefix lora --num-loras 32 \
+             scale_run cold-burst "${SCALE_SHORT[@]}" --num-prompts 32 --lora-prefix lora --num-loras 32 \
                --lora-choice distinct --seed 11 || failed=1
+             long1=(--num-prompts 12 --max-concurrency 1 --random-input-len 2500 --random-output-len 16)
+             long32=(--num-prompts 32 --random-input-len 2500 --random-output-len 128)
              for round in 1 2; do
-               long1=(--num-prompts 12 --max-concurrency 1 --random-input-len 2500 --random-output-len 16)
-               long32=(--num-prompts 32 --random-input-len 2500 --random-output-len 128)
                scale_run long1-base-$round "${long1[@]}" --seed ${round}21 || failed=1
                scale_run long1-lora-$round "${long1[@]}" --lora-names lora-0 --seed ${round}22 || failed=1
                scale_run long32-base-$round "${long32[@]}" --seed ${round}23 || failed=1
@@ -183,10 +190,9 @@ for stage in $stages; do
              done
              kill $server_pid; wait $server_pid
              make_1000_adapters
-             start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 32 --max-cpu-loras 1000 --max-lora-rank 8 \
-               --max-num-seqs 256 || failed=1
-             many=("${short[@]}" --num-prompts 256 --max-concurrency 128 --lora-choice zipf --zipf-alpha 1.0)
-             scale_run many-base "${short[@]}" --num-prompts 256 --max-concurrency 128 --seed 31 || failed=1
+             start_1000_adapter_server 32 || failed=1
+             many=("${SCALE_SHORT[@]}" --num-prompts 256 --max-concurrency 128 --lora-choice zipf --zipf-alpha 1.0)
+             scale_run many-base "${SCALE_SHORT[@]}" --num-prompts 256 --max-concurrency 128 --seed 31 || failed=1
              scale_run many-8 "${many[@]}" --lora-prefix lora --num-loras 8 --seed 32 || failed=1
              for run in 1 2 3; do
                scale_run many-1000-$run "${many[@]}" --lora-prefix lora --num-loras 1000 --seed 3$((run + 2)) || failed=1
@@ -197,18 +203,15 @@ for stage in $stages; do
                   # run sustains with 128 in flight) over 8 and over 1,000 adapters (32 slots); then 128 in flight with
                   # --max-loras 128 (8, then 1,000 adapters twice)
              failed=0
-             short=(--random-input-len 130 --random-output-len 256 --random-range-ratio 0.1)
              make_1000_adapters
-             many=("${short[@]}" --lora-choice zipf --zipf-alpha 1.0 --lora-prefix lora)
-             start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 32 --max-cpu-loras 1000 --max-lora-rank 8 \
-               --max-num-seqs 256 || failed=1
+             many=("${SCALE_SHORT[@]}" --lora-choice zipf --zipf-alpha 1.0 --lora-prefix lora)
+             start_1000_adapter_server 32 || failed=1
              rate=(--num-prompts 512 --request-rate 24 --arrival poisson)
              scale_run rate-8 "${many[@]}" "${rate[@]}" --num-loras 8 --seed 41 || failed=1
              scale_run rate-1000-1 "${many[@]}" "${rate[@]}" --num-loras 1000 --seed 42 || failed=1
              scale_run rate-1000-2 "${many[@]}" "${rate[@]}" --num-loras 1000 --seed 43 || failed=1
              kill $server_pid; wait $server_pid
-             start_server "$OUT/scale.log" /tmp/adapters-scale1000 --max-loras 128 --max-cpu-loras 1000 --max-lora-rank 8 \
-               --max-num-seqs 256 || failed=1
+             start_1000_adapter_server 128 || failed=1
              closed=(--num-prompts 256 --max-concurrency 128)
              scale_run slots128-8 "${many[@]}" "${closed[@]}" --num-loras 8 --seed 44 || failed=1
              scale_run slots128-1000-1 "${many[@]}" "${closed[@]}" --num-loras 1000 --seed 45 || failed=1

@@ -34,7 +34,7 @@ from worker.lora.prefetcher import Prefetcher
 from worker.lora.registry import AdapterRegistry
 from worker.lora.slot_layout import PackedReader
 from worker.lora.slot_table import SlotTable
-from worker.model_runner.memory_plan import available_host_bytes, host_cache_capacity
+from worker.model_runner.memory_plan import plan_host_cache
 from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.models.hf_config import ArchConfig
 from worker.request import Request
@@ -85,9 +85,8 @@ class Engine:
             self.followers.before_leave = self.runner.release_graphs
         self.num_kv_blocks = self.runner.num_kv_blocks
         lora = config.lora
-        host_cache = HostCache(host_cache_capacity(lora.max_cpu_loras, self.runner.lora_pool.layout.num_bytes,
-                                                   config.tensor_parallel_size, available_host_bytes(),
-                                                   lora.max_lora_rank))
+        host_cache = HostCache(plan_host_cache(lora, self.runner.lora_pool.layout.num_bytes,
+                                               config.tensor_parallel_size))
         reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
                               read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1,
                               shard=self.runner.model)

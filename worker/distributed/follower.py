@@ -31,7 +31,7 @@ from worker.lora.adapter import AdapterSpec
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.lora.host_cache import HostAdapter
 from worker.lora.slot_layout import PackedReader
-from worker.model_runner.memory_plan import available_host_bytes, host_cache_capacity
+from worker.model_runner.memory_plan import plan_host_cache
 from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.models.hf_config import ArchConfig
 from worker.request import AdapterRef
@@ -130,9 +130,8 @@ def main(fd: int) -> None:
     runner = ModelRunner(config, arch, device, start.dtype, start.max_model_len, tp=tp)
     lora = config.lora
     reader = PackedReader(arch, runner.lora_pool.layout, pin=device.type == "cuda", shard=runner.model)
-    capacity = host_cache_capacity(lora.max_cpu_loras, runner.lora_pool.layout.num_bytes, start.world_size,
-                                   available_host_bytes(), lora.max_lora_rank)     # as rank 0 sizes its cache
-    adapters = FollowerAdapters(reader, runner.lora_pool, capacity, lora.lora_load_workers)
+    capacity = plan_host_cache(lora, runner.lora_pool.layout.num_bytes, start.world_size)   # as rank 0 sizes its
+    adapters = FollowerAdapters(reader, runner.lora_pool, capacity, lora.lora_load_workers)     # host cache
     logger.info("rank %d of %d ready on %s", start.rank, start.world_size, device)
     try:
         Follower(conn, runner, adapters).serve()

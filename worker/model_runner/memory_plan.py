@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from worker.config import LoRAConfig
+
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
@@ -119,6 +121,11 @@ def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def plan_host_cache(lora: LoRAConfig, entry_bytes: int, ranks: int) -> int | None:
+    """host_cache_capacity for `lora`'s flags against the host's available memory now (every rank calls it)."""
+    return host_cache_capacity(lora.max_cpu_loras, entry_bytes, ranks, available_host_bytes(), lora.max_lora_rank)
 
 
 def host_cache_capacity(max_cpu_loras: int | None, entry_bytes: int, ranks: int, available: int | None,
