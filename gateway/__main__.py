@@ -96,6 +96,10 @@ def _add_serving_args(parser: argparse.ArgumentParser) -> None:
              "--no-enable-lora-overlap-loading loads them inside the step that needs them")
     add("--lora-eviction-policy", choices=("lru", "fifo"), default=LoRAConfig.lora_eviction_policy,
         help="which unused adapter leaves a full GPU slot pool")
+    add("--fully-sharded-loras", action="store_true", default=LoRAConfig.fully_sharded_loras,
+        help="with tensor parallelism, also split lora_A of qkv/gate_up by rank and lora_B of o/down by output "
+             "(one more collective per projection for less LoRA memory a GPU); --max-lora-rank must divide by "
+             "--tensor-parallel-size")
     add("--max-model-len", type=int, default=ModelConfig.max_model_len, help="default: from config.json")
     add("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     add("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)

@@ -90,6 +90,7 @@ class GatewayConfig:
     max_lora_rank: int = LoRAConfig.max_lora_rank
     enable_lora_overlap_loading: bool = LoRAConfig.enable_lora_overlap_loading
     lora_eviction_policy: str = LoRAConfig.lora_eviction_policy
+    fully_sharded_loras: bool = LoRAConfig.fully_sharded_loras
     max_model_len: int | None = ModelConfig.max_model_len
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
@@ -132,7 +133,8 @@ class GatewayConfig:
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras,
                             enable_lora_overlap_loading=self.enable_lora_overlap_loading,
-                            lora_eviction_policy=self.lora_eviction_policy, lora_dirs=self.lora_dirs),
+                            lora_eviction_policy=self.lora_eviction_policy, lora_dirs=self.lora_dirs,
+                            fully_sharded_loras=self.fully_sharded_loras),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens),
             device=self.device, tensor_parallel_size=self.tensor_parallel_size,
@@ -150,7 +152,7 @@ class GatewayConfig:
             max_request_body_bytes=args.max_request_body_bytes,
             max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
             enable_lora_overlap_loading=args.enable_lora_overlap_loading,
-            lora_eviction_policy=args.lora_eviction_policy,
+            lora_eviction_policy=args.lora_eviction_policy, fully_sharded_loras=args.fully_sharded_loras,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,

@@ -147,7 +147,8 @@ for stage in $stages; do
              # TP_TESTS=0 / TP_BENCH=0 skip the tests / the all-reduce bench; TP_SIZES: the servers (default "2 1");
              # TP_CONCURRENCY: the sweep's stream counts (default "1 32"); TP_TEST_K: a pytest -k selection of the tests
              # (run with -s, so a hung test's stack dumps reach the log); TP_SERVER_ARGS: more server flags (e.g.
-             # --kernel-config {"all_reduce_kernel":"symm_mem"}, no spaces), TP_TAG: a suffix for the result files
+             # --kernel-config {"all_reduce_kernel":"symm_mem"}, no spaces), TP_TAG: a suffix for the result files;
+             # TP_RANK: the adapters' rank (default 16; the servers' --max-lora-rank follows it)
              failed=0
              if [ "${TP_TESTS:-1}" = 1 ]; then
                timeout 400 python3 -m pytest -x -q -s -rA -p no:cacheprovider ${TP_TEST_K:+-k "$TP_TEST_K"} \
@@ -157,11 +158,14 @@ for stage in $stages; do
                timeout 200 python3 -m bench.all_reduce --check --out "$OUT/all_reduce.json" > "$OUT/all_reduce.log" 2>&1 || failed=1
              fi
              [ -d /tmp/tok-128256 ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok-128256
-             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-tp --num 32 --rank 16 > /dev/null 2>&1
+             rank=${TP_RANK:-16}
+             [ -d /tmp/adapters-tp-r$rank ] || python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-tp-r$rank \
+               --num 32 --rank $rank > /dev/null 2>&1
              for tp in ${TP_SIZES:-2 1}; do
                python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \
-                 --port 8100 --uvicorn-log-level warning --max-loras 32 --tensor-parallel-size $tp ${TP_SERVER_ARGS:-} \
-                 --lora-modules $(for a in /tmp/adapters-tp/*; do echo "${a##*/}=$a"; done) >> "$OUT/tp_serve.log" 2>&1 &
+                 --port 8100 --uvicorn-log-level warning --max-loras 32 --max-lora-rank $rank --tensor-parallel-size $tp \
+                 ${TP_SERVER_ARGS:-} --lora-modules $(for a in /tmp/adapters-tp-r$rank/*; do echo "${a##*/}=$a"; done) \
+                 >> "$OUT/tp_serve.log" 2>&1 &
                pid=$!
                for _ in $(seq 240); do curl -sf localhost:8100/health >/dev/null && break; sleep 1; done
                timeout 300 python3 -m bench.sweep --base-url http://127.0.0.1:8100 --concurrency ${TP_CONCURRENCY:-1 32} --adapters base many \

@@ -36,6 +36,8 @@ class LoRAConfig:
     max_cpu_loras: int | None = None  # host cache entries; None: no bound
     enable_lora_overlap_loading: bool = True  # False: adapters load inside the step that admits them
     lora_eviction_policy: str = "lru"         # lru | fifo, among GPU slots no running request uses
+    fully_sharded_loras: bool = False         # tensor parallelism: split lora_A of column-parallel and lora_B of
+                                              # row-parallel projections too (layers/linear.py); vLLM's flag
     lora_dirs: tuple[str, ...] = ()           # roots where an unknown adapter name is looked up on first use
     lora_load_workers: int = 2                # threads reading adapters from disk into the host cache
     lora_read_threads: int = 4                # with overlap loading, one adapter's file reads are split

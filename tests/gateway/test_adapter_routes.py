@@ -111,17 +111,18 @@ async def test_metrics_describe_the_adapter_tiers():
         assert line in lines, line
 
 
-@pytest.mark.parametrize("flags, overlap, policy", [([], True, "lru"),
-                                                    (["--no-enable-lora-overlap-loading"], False, "lru"),
-                                                    (["--enable-lora-overlap-loading", "--lora-eviction-policy",
-                                                      "fifo"], True, "fifo")])
-def test_adapter_flags_reach_the_worker_config(flags, overlap, policy):
+@pytest.mark.parametrize("flags, overlap, policy, fully_sharded", [
+    ([], True, "lru", False),
+    (["--no-enable-lora-overlap-loading"], False, "lru", False),
+    (["--enable-lora-overlap-loading", "--lora-eviction-policy", "fifo"], True, "fifo", False),
+    (["--fully-sharded-loras", "-tp", "2"], True, "lru", True)])
+def test_adapter_flags_reach_the_worker_config(flags, overlap, policy, fully_sharded):
     args = build_parser().parse_args(["serve", "--model", "/m", "--lora-dir", "/a", "--lora-dir", "/b",
                                       "--max-cpu-loras", "9", *flags])
     args.model = args.model or args.model_tag
     lora = GatewayConfig.from_args(args).worker_config().lora
     assert lora == LoRAConfig(max_cpu_loras=9, enable_lora_overlap_loading=overlap, lora_eviction_policy=policy,
-                              lora_dirs=("/a", "/b"))
+                              lora_dirs=("/a", "/b"), fully_sharded_loras=fully_sharded)
 
 
 def test_unknown_eviction_policy_is_refused(capsys):

@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL; skipped with fewer): the engine at --tensor-parallel-size 2 gives the
 tokens of the single-process run, eager and with CUDA graphs (collectives captured), with adapters mixed in the
-batch and more adapters than slots; its steps make no host-device sync.
+batch and more adapters than slots, LoRA sharded as by default and fully sharded; its steps make no host-device
+sync.
 
 Each tensor-parallel engine runs in a process of its own (`in_process`), as a server does: one process group per
 process (a second group in one process cannot rendezvous symmetric memory again).
@@ -34,10 +35,10 @@ TIE = 1e-3        # logprob margin under which two tokens count as tied
 
 
 def make_engine(model_dir, device: str, dtype: str, tp: int, enforce_eager: bool = True,
-                max_num_seqs: int = 4) -> Engine:
+                max_num_seqs: int = 4, fully_sharded_loras: bool = False) -> Engine:
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype=dtype), cache=CacheConfig(num_blocks_override=256),
-        lora=LoRAConfig(max_loras=2),
+        lora=LoRAConfig(max_loras=2, fully_sharded_loras=fully_sharded_loras),
         # a 128-token budget: 16 graphs to capture instead of 88 (ROWS' prompts take 85 tokens)
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128),
         device=device, enforce_eager=enforce_eager, tensor_parallel_size=tp))
@@ -60,10 +61,11 @@ def run(engine: Engine, tag: str = "r") -> dict[str, list]:
     return steps
 
 
-def tp2_run(model_dir, dtype: str, enforce_eager: bool, max_num_seqs: int = 4, no_sync: bool = False) -> dict:
+def tp2_run(model_dir, dtype: str, enforce_eager: bool, max_num_seqs: int = 4, no_sync: bool = False,
+            fully_sharded_loras: bool = False) -> dict:
     """One TP=2 engine's run (in its own process): ROWS as `run` gives them; with `no_sync`, a warm-up run first,
     then the measured run under torch's sync debug mode set to error."""
-    engine = make_engine(model_dir, "cuda", dtype, 2, enforce_eager, max_num_seqs)
+    engine = make_engine(model_dir, "cuda", dtype, 2, enforce_eager, max_num_seqs, fully_sharded_loras)
     try:
         if not no_sync:
             return run(engine)
@@ -146,6 +148,17 @@ def test_bf16_tp2_graphs_equal_tp2_eager_one_sequence_at_a_time(hf_models):
     assert [[t for t, _ in v] for v in graphs.values()] == [[t for t, _ in v] for v in eager.values()]
 
 
-def test_tp2_steps_make_no_host_device_sync(hf_models):
-    tokens = in_process(tp2_run, hf_models["llama"], "bfloat16", False, 4, True)
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["default-lora", "fully-sharded-lora"])
+def test_tp2_steps_make_no_host_device_sync(hf_models, fully_sharded):
+    tokens = in_process(tp2_run, hf_models["llama"], "bfloat16", False, 4, True, fully_sharded)
     assert len(tokens) == len(ROWS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_fp32_tp2_fully_sharded_loras_tokens_equal_the_single_process_run(hf_models, arch, enforce_eager):
+    """--fully-sharded-loras: xa gathered (qkv, gate_up) and summed (o, down) between shrink and expand, in the
+    graphs too."""
+    model = hf_models[arch]
+    expected = run(make_engine(model, "cpu", "float32", 1))
+    assert_same_or_tied(in_process(tp2_run, model, "float32", enforce_eager, 4, False, True), expected)

@@ -183,6 +183,37 @@ def test_shrink_matches_per_token_reference(dtype, widths, scenario):
     assert (xa[expected == 0] == 0).all(), "base-only rows and columns past the rank must be exact zeros"
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("scenario", ["decode-distinct-ranks4+16", "decode-graph-padded", "prefill-zipf-ranks4+16",
+                                      "prefill-uniform-R128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_shrink_over_a_share_of_the_rank_rows_stops_at_the_share(dtype, scenario, split_k):
+    """A fully sharded rank's lora_A holds R / 2 rows a slice (layers/linear.py) while the slots' ranks go up to R:
+    the shrink computes each slot's first min(rank, R / 2) rows of the share and writes zeros past them; the
+    reference module agrees. (The kernel also clamps the rank it loads rows for to the share, so that it never reads
+    past the region; the stores are masked to the share either way, so this test cannot see those loads.)"""
+    gen = torch.Generator().manual_seed(9)
+    batch = _make_batch(SCENARIOS[scenario], gen)
+    ns, share = 3, batch.max_rank // 2
+    x = _randn(batch.num_tokens, IN_DIM, gen=gen).to(dtype)
+    a = _randn(NUM_SLOTS, ns * share, IN_DIM, gen=gen, scale=IN_DIM ** -0.5).to(dtype)
+    indptr, weights, ranks = batch.device_metadata()
+
+    xa = lora_shrink(x, a, indptr, weights, ranks, ns, batch.num_segments, max(batch.max_seg_len, 2 * (split_k > 1)),
+                     split_k=split_k)
+    xa = xa.sum(0) if split_k > 1 else xa
+
+    within = Batch(batch.seg_indptr, batch.slots, [min(r, share) for r in batch.slot_ranks], share,
+                   batch.num_segments, batch.max_seg_len, batch.num_tokens)
+    expected = _per_token_xa(x, a, within, ns)
+    rows = [t for t, w in enumerate(batch.token_slots()) if w is not None]
+    assert max(batch.slot_ranks) > share
+    _assert_close(xa[rows], expected[rows], dtype if split_k == 1 else torch.float32)
+    assert (xa[rows][expected[rows] == 0] == 0).all()
+    ref = reference.lora_shrink(x.float().cpu(), a.float().cpu(), batch.seg_indptr, batch.slots, batch.slot_ranks, ns)
+    _assert_close(ref[rows].to(DEVICE), expected[rows], torch.float32)
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("widths", SLICE_WIDTHS.values(), ids=SLICE_WIDTHS.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -6,6 +6,10 @@ of the input and lora_B whole (its expand adds into the partial sum the all-redu
 which share is its own (`Linear.shard_lora`); the slot layout (lora/slot_layout.py) is built from the sharded
 model, so `SlotLayout.pack` of the result is this rank's slot.
 
+Fully sharded LoRA (`shard_loras_fully`, --fully-sharded-loras; S-LoRA's scheme) cuts the rest too: a
+column-parallel projection's lora_A rows (its rank) and a row-parallel one's lora_B rows (its output), at one more
+collective per projection (layers/linear.py says which). Expert LoRA keeps the scheme below.
+
 Expert LoRA (lora/formats.py ExpertLayerLoRA, every format, shared-outer included) follows the experts' sharding
 along the intermediate size I (layers/moe.py `FusedExperts.intermediate_shard`): gate and up keep A whole and the
 rows of B in this rank's share of I; down keeps the columns of A in that share and B whole. The matrices stay
@@ -23,6 +27,13 @@ from worker.lora.adapter import AdapterBytes
 from worker.lora.formats import ExpertLayerLoRA, ExpertProjection
 
 
+def shard_loras_fully(model: nn.Module, max_rank: int) -> None:
+    """Every projection of `model` that takes LoRA holds it fully sharded over the model's ranks (before the
+    LoRA slots are laid out); max_rank must divide by the ranks, as vLLM requires."""
+    for layer, name in model.lora_projections():
+        model.projection(layer, name).shard_lora_fully(model.tp, max_rank)
+
+
 def shard_adapter(model: nn.Module, adapter: AdapterBytes) -> AdapterBytes:
     """`adapter` (whole, as lora/adapter.read_adapter reads it) as this rank of `model` holds it; unchanged at
     world size 1."""
@@ -35,7 +46,8 @@ def shard_adapter(model: nn.Module, adapter: AdapterBytes) -> AdapterBytes:
         b = m.b.view(adapter.dtype).view(m.out_features, m.rank)         # lora_B [out_features, rank]
         a, b = model.projection(layer, name).shard_lora(shard, a, b)
         modules[(layer, target)] = dataclasses.replace(m, a=_bytes(a), b=_bytes(b), in_features=a.shape[1],
-                                                       out_features=b.shape[0])
+                                                       out_features=b.shape[0],
+                                                       a_rows=None if a.shape[0] == m.rank else a.shape[0])
     experts = {layer: shard_expert_layer(found, *model.moe_block(layer).experts.intermediate_shard)
                for layer, found in adapter.experts.items()}
     return dataclasses.replace(adapter, modules=modules, experts=experts)

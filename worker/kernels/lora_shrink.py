@@ -1,9 +1,9 @@
 """LoRA shrink over token segments: xa = x @ A^T with each segment's adapter, all slices in one launch.
 
 Semantics:
-    R = a.shape[1] // num_slices                      (slot rank, = max_lora_rank)
+    R = a.shape[1] // num_slices                      (slot rank: max_lora_rank, or a fully sharded rank's share)
     for i in range(num_segments):
-        w = weight_indices[i]; rank = ranks[w] if w >= 0 else 0
+        w = weight_indices[i]; rank = min(ranks[w], R) if w >= 0 else 0
         for t in range(seg_indptr[i], seg_indptr[i+1]), s in range(num_slices), r in range(R):
             xa[t, s*R + r] = x[t] @ a[w, s*R + r]  if r < rank  else  0
     split_k > 1: xa[j, t, s*R + r] = x[t, K_j] @ a[w, s*R + r, K_j] over the j-th of split_k ranges K_j of
@@ -61,7 +61,7 @@ def _lora_shrink_kernel(
     if seg < 0:
         return
     w = tl.load(weight_indices_ptr + seg)
-    rank = tl.where(w >= 0, tl.load(ranks_ptr + tl.maximum(w, 0)), 0)
+    rank = tl.minimum(tl.where(w >= 0, tl.load(ranks_ptr + tl.maximum(w, 0)), 0), MAX_RANK)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)     # rank index within the slice

@@ -14,9 +14,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], weight_
                 ranks: list[int], num_slices: int) -> torch.Tensor:
     """Semantics:
         for each segment i with w = weight_indices[i] >= 0, tokens t in [seg_indptr[i], seg_indptr[i+1]):
-            for each slice s, r < ranks[w]:
+            for each slice s, r < min(ranks[w], R):
                 xa[t, s*R + r] = sum_k x[t, k] * a[w, s*R + r, k]
-        every other entry of xa is 0 (base-only segments, and ranks past the adapter's own).
+        every other entry of xa is 0 (base-only segments, and ranks past the adapter's own). R = a's rows per
+        slice: max_lora_rank, or a fully sharded rank's share of it (layers/linear.py), which may be below ranks[w].
 
     x: [num_tokens, in_dim]; a: [num_slots, num_slices * R, in_dim] -> xa: [num_tokens, num_slices * R]
     """
@@ -25,7 +26,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], weight_
     for i, w in enumerate(weight_indices):
         if w < 0:
             continue
-        lo, hi, r = seg_indptr[i], seg_indptr[i + 1], ranks[w]
+        lo, hi, r = seg_indptr[i], seg_indptr[i + 1], min(ranks[w], max_rank)
         for s in range(num_slices):
             cols = slice(s * max_rank, s * max_rank + r)
             xa[lo:hi, cols] = x[lo:hi] @ a[w, cols].T

@@ -66,6 +66,14 @@ class Linear(nn.Module):
     one all-reduce, so the sum over ranks applies each adapter's scaling once; the bias is added on rank 0 only. A
     row-parallel projection built with reduce_results=False returns the partial sum for its caller to reduce
     (Qwen2-MoE's shared expert, summed into the MoE block's one all-reduce: layers/moe.py).
+
+    Fully sharded LoRA (`shard_lora_fully`, S-LoRA's scheme; vLLM's --fully-sharded-loras), one more collective
+    per projection over `lora_tp` for a smaller share of every adapter on each rank. Column-parallel: A's rank
+    rows are split too (rank k holds rows [k * R / tp, (k + 1) * R / tp) of each slice, zero-padded to R), each
+    rank's shrink gives its part of xa and an all-gather puts the whole xa on every rank before the expand with
+    B's rows of the shard. Row-parallel: B's output rows are split too; the shrink's partial xa (A's columns of
+    the shard) is all-reduced, and each rank's expand adds its rows of the delta into its partial sum, which the
+    base all-reduce completes.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
@@ -86,6 +94,8 @@ class Linear(nn.Module):
         self.output_shards: list[tuple[int, int]] | None = None   # column-parallel: (start, length) per slice
         self.input_shard: tuple[int, int] | None = None           # row-parallel: (start, length) of in_features
         self.reduce_results = True                                 # row-parallel: all-reduce the partial sum here
+        self.lora_tp: TensorParallel = SINGLE     # the ranks a fully sharded LoRA is split over (shard_lora_fully)
+        self.lora_max_rank = 0                    # and its slots' rank
 
     @classmethod
     def column_parallel(cls, in_features: int, output_sizes: list[int], shards: list[tuple[int, int]], bias: bool,
@@ -131,14 +141,42 @@ class Linear(nn.Module):
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
         target.copy_(tensor)
 
+    def shard_lora_fully(self, tp: TensorParallel, max_rank: int) -> None:
+        """Hold this projection's LoRA fully sharded over `tp` (the class docstring), with slots of `max_rank`."""
+        if self.output_shards is None and self.input_shard is None:
+            raise ValueError("fully sharded LoRA needs a column- or row-parallel projection")
+        tp.split(max_rank, "max_lora_rank with fully sharded LoRA")
+        if self.input_shard is not None:
+            tp.split(self.slice_offsets[-1], "Output size of a row-parallel projection with fully sharded LoRA")
+        self.lora_tp, self.lora_max_rank = tp, max_rank
+
+    def lora_slot_shape(self, max_rank: int) -> tuple[int, tuple[int, ...]]:
+        """(rows of lora_A per slice, the slices' row offsets in lora_B) that this module's slot holds."""
+        tp = self.lora_tp
+        if tp.world_size == 1:
+            return max_rank, tuple(self.slice_offsets)
+        if self.output_shards is not None:
+            return max_rank // tp.world_size, tuple(self.slice_offsets)
+        return max_rank, (0, self.slice_offsets[-1] // tp.world_size)
+
     def shard_lora(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of one fused slice's LoRA: a [rank, in_features], b [slice rows, rank] of the whole
         checkpoint projection -> (a, b) as this module's slot holds them (column-parallel: b's rows of the shard;
-        row-parallel: a's columns of the shard; whole otherwise)."""
+        row-parallel: a's columns of the shard; whole otherwise). Fully sharded, also: column-parallel, a's rows
+        [k * R / tp, (k + 1) * R / tp) of a zero-padded to the slots' rank R; row-parallel, b's rows of this rank's
+        share of the output."""
+        tp = self.lora_tp
         if self.output_shards is not None:
-            return a, b.narrow(0, *self.output_shards[shard])
+            b = b.narrow(0, *self.output_shards[shard])
+            if tp.world_size > 1:
+                part = self.lora_max_rank // tp.world_size
+                a = F.pad(a, (0, 0, 0, self.lora_max_rank - a.shape[0])).narrow(0, tp.rank * part, part)
+            return a, b
         if self.input_shard is not None:
-            return a.narrow(1, *self.input_shard), b
+            a = a.narrow(1, *self.input_shard)
+            if tp.world_size > 1:
+                b = b.narrow(0, *tp.split(b.shape[0], "Output size of a row-parallel projection"))
+            return a, b
         return a, b
 
     def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
@@ -157,9 +195,31 @@ class Linear(nn.Module):
         w, info = self.lora, lora_info
         xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
                                    info.ranks_host, w.num_slices)
-        reference.lora_expand(y, xa, w.b, info.seg_indptr_host, info.weight_indices_host,
-                              info.ranks_host, w.scalings, w.slice_offsets)
+        reference.lora_expand(self._lora_rows(y), self._whole_xa(xa), w.b, info.seg_indptr_host,
+                              info.weight_indices_host, info.ranks_host, w.scalings, w.slice_offsets)
         return y
+
+    def _whole_xa(self, xa: torch.Tensor) -> torch.Tensor:
+        """The shrink's output as the expand reads it; fully sharded, this rank's part of it made whole over the
+        ranks: column-parallel, every rank's rank rows of each slice gathered (each rank's part in its place in a
+        zero buffer, summed by one all-reduce, which is the one fast collective, captured in CUDA graphs);
+        row-parallel, the partial sums over the input shards added up. xa: [..., num_slices * r] (split-K partials
+        included) -> [..., num_slices * R]."""
+        tp = self.lora_tp
+        if tp.world_size == 1:
+            return xa
+        if self.input_shard is not None:
+            return tp.all_reduce(xa)
+        lead, slices = xa.shape[:-1], len(self.slice_offsets) - 1
+        whole = xa.new_zeros(*lead, slices, tp.world_size, xa.shape[-1] // slices)
+        whole.select(-2, tp.rank).copy_(xa.unflatten(-1, (slices, -1)))
+        return tp.all_reduce(whole).flatten(-3)
+
+    def _lora_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """The columns of y this rank's lora_B writes: its share of the output when fully sharded row-parallel."""
+        if self.lora_tp.world_size == 1 or self.input_shard is None:
+            return y
+        return y.narrow(1, *self.lora_tp.split(y.shape[1], "Output size of a row-parallel projection"))
 
     def forward_deferred(self, x: torch.Tensor, lora_info: LoRABatchInfo | None, silu_and_mul_next: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
@@ -176,6 +236,8 @@ class Linear(nn.Module):
         kernel to run (PendingExpand.silu_and_mul)."""
         w = self.lora
         if w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda:
+            return self.forward(x, lora_info), None
+        if self.lora_tp.world_size > 1:       # fully sharded: a collective between shrink and expand
             return self.forward(x, lora_info), None
         if silu_and_mul_next and lora_info.tile_map is not None and self.kernels.lora_expand_in_consumers:
             assert self.input_shard is None, "a row-parallel shard's expand belongs before its all-reduce"
@@ -228,6 +290,7 @@ class Linear(nn.Module):
         if pending:
             return y, PendingExpand(xa, w, info)
         if not defer:
-            expand.lora_expand(y, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
-                               w.slice_offsets, info.num_segments, info.max_seg_len, **expand_kw)
+            expand.lora_expand(self._lora_rows(y), self._whole_xa(xa), w.b, info.seg_indptr, info.weight_indices,
+                               info.ranks, w.scalings, w.slice_offsets, info.num_segments, info.max_seg_len,
+                               **expand_kw)
         return y, delta

@@ -61,11 +61,11 @@ class SlotLayout:
         for layer, name in model.lora_projections():      # the model says which projections take LoRA
             proj = model.projection(layer, name)
             n = len(proj.output_sizes)
-            a_shape, b_shape = (n * max_rank, proj.in_features), (proj.slice_offsets[-1], max_rank)
+            a_rank, b_offsets = proj.lora_slot_shape(max_rank)     # fully sharded LoRA holds less of A or B
+            a_shape, b_shape = (n * a_rank, proj.in_features), (b_offsets[-1], max_rank)
             b_offset = offset + _aligned(a_shape[0] * a_shape[1] * item)
             s_offset = b_offset + _aligned(b_shape[0] * b_shape[1] * item)
-            self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape,
-                                                  tuple(proj.slice_offsets))
+            self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape, b_offsets)
             offset = s_offset + _aligned(4 * n)
         self.expert_regions, self.num_bytes = expert_regions(model, max_rank, dtype, offset)
 
@@ -91,7 +91,8 @@ class SlotLayout:
         tensors' bytes, its scalings and zero fill (a few tensor operations in all, whatever the number
         of modules); modules it does not target stay zero.
 
-        A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R.
+        A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R
+        (fully sharded LoRA: lora_A's rows padded to this rank's share of R, ModuleBytes.a_rows).
         """
         assert adapter.dtype == self.dtype, f"adapter read as {adapter.dtype}, slots hold {self.dtype}"
         parts = [("bytes", m.a) if kind == "a" else ("bytes", self._b_rows(m)) if kind == "b" else
@@ -165,9 +166,10 @@ class SlotLayout:
         for (layer, name), region in self.regions.items():
             slices = [by_slice.get((layer, name, s)) for s in range(len(region.slice_offsets) - 1)]
             in_features, out_features = region.a_shape[1], region.b_shape[0]
+            a_rank = region.a_shape[0] // len(slices)
             for m in slices:
-                parts += ([("zeros", R * in_features * item)] if m is None else
-                          [("a", m), ("zeros", (R - m.rank) * in_features * item)])
+                parts += ([("zeros", a_rank * in_features * item)] if m is None else
+                          [("a", m), ("zeros", (a_rank - _a_rows(m)) * in_features * item)])
             parts.append(("zeros", region.b_offset - region.a_offset - region.a_shape[0] * in_features * item))
             for m, lo, hi in zip(slices, region.slice_offsets, region.slice_offsets[1:]):
                 parts.append(("zeros", (hi - lo) * R * item) if m is None else ("b", m))
@@ -193,6 +195,12 @@ class SlotLayout:
                    for kind, part in parts]
         packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin)
         return torch.cat(tensors, out=packed)
+
+
+def _a_rows(m: ModuleBytes | ModuleSource) -> int:
+    """The rows of lora_A a module holds: its rank, or a fully sharded rank's share (ModuleBytes.a_rows)."""
+    rows = getattr(m, "a_rows", None)
+    return m.rank if rows is None else rows
 
 
 def _run_all(calls: list[Callable[[], None]], pool: concurrent.futures.Executor | None) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
+from worker.distributed.adapter_shards import shard_loras_fully
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks
@@ -128,6 +129,8 @@ class ModelRunner:
         m, sched, cache = config.model, config.scheduler, config.cache
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed, tp)
         arch = dataclasses.replace(arch, num_kv_heads=self.model.num_kv_heads)   # the K/V this rank caches
+        if config.lora.fully_sharded_loras and tp.world_size > 1:
+            shard_loras_fully(self.model, config.lora.max_lora_rank)
         self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
                                      side_stream=config.kernels.lora_side_stream)
         max_blocks = -(-max_model_len // cache.block_size)

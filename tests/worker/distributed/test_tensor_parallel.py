@@ -44,6 +44,57 @@ def test_tp2_logits_equal_tp1_for_a_batch_mixing_base_rows_and_adapters(hf_model
     assert_matches_tp1(Case(str(model_dir), "auto", adapters_of(model_dir), MIXED_ROWS), 2, tmp_path)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fully_sharded_lora_logits_equal_tp1(hf_models, arch, world_size, tmp_path):
+    """--fully-sharded-loras: lora_A of qkv/gate_up cut by rank (at 4 ranks of max rank 16 each holds 4 rows: the
+    rank-4 adapter's lie on rank 0 alone, the others' are zeros) and lora_B of o/down by output, with the gather and
+    the all-reduce of xa between shrink and expand; the same logits as the unsharded model."""
+    model_dir = hf_models[arch]
+    case = Case(str(model_dir), "auto", adapters_of(model_dir), MIXED_ROWS, fully_sharded=True)
+    assert_matches_tp1(case, world_size, tmp_path)
+
+
+def test_fully_sharded_lora_holds_a_smaller_share_of_each_adapter(hf_models):
+    """Rank 1 of 2, max rank 16: qkv's lora_A keeps rows [8, 16) of each slice (a rank-16 k_proj's second half; a
+    rank-8 q_proj's zero padding), o's lora_B its share of the output rows; the default scheme keeps both whole."""
+    from worker.lora.adapter import read_adapter
+    model_dir = hf_models["llama"]
+    tp = TensorParallel(rank=1, world_size=2)
+    default = build_model(Case(str(model_dir), "auto", (), ()), tp)
+    full = build_model(Case(str(model_dir), "auto", (), (), fully_sharded=True), tp)
+
+    def factors(adapter: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        found = read_adapter(*adapters_of(model_dir)[adapter], default.cfg, 16, torch.float32).modules[(0, target)]
+        return (found.a.view(torch.float32).view(found.rank, found.in_features),
+                found.b.view(torch.float32).view(found.out_features, found.rank))
+
+    k_a, k_b = factors(2, "k_proj")            # r16-mlp-rs
+    q_a, q_b = factors(1, "q_proj")            # r8-all
+    assert k_a.shape[0] == 16 and q_a.shape[0] == 8
+    a, _ = full.projection(0, "qkv_proj").shard_lora(1, k_a, k_b)
+    assert torch.equal(a, k_a[8:])
+    a, _ = full.projection(0, "qkv_proj").shard_lora(0, q_a, q_b)
+    assert a.shape == (8, q_a.shape[1]) and not a.any()
+    assert torch.equal(default.projection(0, "qkv_proj").shard_lora(1, k_a, k_b)[0], k_a)
+
+    o_a, o_b = factors(2, "o_proj")
+    half = o_b.shape[0] // 2
+    assert torch.equal(full.projection(0, "o_proj").shard_lora(0, o_a, o_b)[1], o_b[half:])
+    assert torch.equal(default.projection(0, "o_proj").shard_lora(0, o_a, o_b)[1], o_b)
+    qkv_rows = default.projection(0, "qkv_proj").lora_slot_shape(16)[1]
+    assert full.projection(0, "qkv_proj").lora_slot_shape(16) == (8, qkv_rows)
+    assert full.projection(0, "o_proj").lora_slot_shape(16) == (16, (0, half))
+    assert default.projection(0, "o_proj").lora_slot_shape(16) == (16, (0, 2 * half))
+
+
+def test_fully_sharded_lora_refuses_a_rank_the_ranks_do_not_divide(hf_models):
+    from worker.distributed.adapter_shards import shard_loras_fully
+    model = build_model(Case(str(hf_models["llama"]), "auto", (), ()), TensorParallel(rank=0, world_size=4))
+    with pytest.raises(ValueError, match=r"max_lora_rank with fully sharded LoRA \(6\) must be divisible by tensor parallel size \(4\)"):
+        shard_loras_fully(model, 6)
+
+
 def test_tp2_logits_equal_tp1_for_the_base_model(hf_models, tmp_path):
     assert_matches_tp1(Case(str(hf_models["llama"]), "auto", (), BASE_ROWS), 2, tmp_path)
 

@@ -17,9 +17,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
 
 
-def make_engine(model_dir, tp: int, num_blocks: int = 256, max_loras: int = 2, **sched) -> Engine:
+def make_engine(model_dir, tp: int, num_blocks: int = 256, max_loras: int = 2, fully_sharded_loras: bool = False,
+                **sched) -> Engine:
     engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=num_blocks),
-                                 lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
+                                 lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16,
+                                                 fully_sharded_loras=fully_sharded_loras),
                                  scheduler=SchedulerConfig(**sched), device="cpu", tensor_parallel_size=tp))
     for spec in ADAPTERS:
         engine.add_adapter(spec.name, str(adapter_dir(model_dir, spec.name)))
@@ -75,6 +77,19 @@ def test_tp2_engine_outputs_equal_tp1(both, sched):
     engine = tp2(**sched)
     assert engine.runner.model.tp.world_size == 2 and engine.runner.model.num_kv_heads == 1   # 2 KV heads, split
     expected, got = run(tp1(**sched), requests()), run(engine, requests())
+    assert summary(got) == summary(expected)
+    for rid, lps in logprobs_of(expected).items():
+        assert logprobs_of(got)[rid] == pytest.approx(lps, abs=1e-4)
+
+
+def test_tp2_fully_sharded_loras_outputs_equal_tp1(both):
+    """--fully-sharded-loras: every rank holds half of each adapter's lora_A of qkv/gate_up (by rank) and lora_B of
+    o/down (by output), slots refilled as three adapters share two; tokens and logprobs as at TP=1."""
+    tp1, tp2 = both
+    engine = tp2(fully_sharded_loras=True)
+    qkv, o = engine.runner.model.projection(0, "qkv_proj"), engine.runner.model.projection(0, "o_proj")
+    assert qkv.lora.a.shape[1] == 3 * 8 and o.lora.b.shape[1] == o.weight.shape[0] // 2
+    expected, got = run(tp1(), requests(5)), run(engine, requests(5))
     assert summary(got) == summary(expected)
     for rid, lps in logprobs_of(expected).items():
         assert logprobs_of(got)[rid] == pytest.approx(lps, abs=1e-4)

@@ -86,11 +86,13 @@ def fused_checkpoint(model_dir: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["default-lora", "fully-sharded-lora"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_logits_equal_tp1_for_a_batch_mixing_base_rows_and_expert_adapters(hf_moe_models, expert_adapters, arch,
-                                                                               tmp_path):
-    """Every expert LoRA format in one batch with base rows: gate/up B and down A cut to each rank's share of I."""
-    case = Case(str(hf_moe_models[arch]), "auto", expert_adapters[arch], MIXED_ROWS)
+                                                                               fully_sharded, tmp_path):
+    """Every expert LoRA format in one batch with base rows: gate/up B and down A cut to each rank's share of I.
+    Fully sharded: the attention's (and Qwen2-MoE's shared expert's) LoRA fully sharded, the experts' as by default."""
+    case = Case(str(hf_moe_models[arch]), "auto", expert_adapters[arch], MIXED_ROWS, fully_sharded=fully_sharded)
     assert_matches_tp1(case, 2, tmp_path)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from worker.batch import ForwardBatch, LoRABatchInfo
 from worker.config import KernelConfig
-from worker.distributed.adapter_shards import shard_adapter
+from worker.distributed.adapter_shards import shard_adapter, shard_loras_fully
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel, init_tensor_parallel
 from worker.layers.kernel_choices import KernelChoices
 from worker.lora.adapter import read_adapter
@@ -40,6 +40,7 @@ class Case:
     adapters: tuple[tuple[str, str], ...]   # (name, directory), loaded into slots 0, 1, ...
     rows: tuple[tuple[int, int | None], ...]
     device: str = "cpu"                # "cuda": rank r on cuda:r over NCCL, the Triton kernels (not run yet)
+    fully_sharded: bool = False        # LoRA fully sharded (distributed/adapter_shards.shard_loras_fully)
 
 
 def free_port() -> int:
@@ -74,6 +75,8 @@ def build_model(case: Case, tp: TensorParallel) -> nn.Module:
             init_dummy_weights(model, seed=3, std=0.1)
         else:
             load_weights(model, Path(case.model_dir))
+    if case.fully_sharded and tp.world_size > 1:
+        shard_loras_fully(model, MAX_RANK)
     return model.eval()
 
 
