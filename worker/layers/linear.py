@@ -94,8 +94,11 @@ class Linear(nn.Module):
         self.output_shards: list[tuple[int, int]] | None = None   # column-parallel: (start, length) per slice
         self.input_shard: tuple[int, int] | None = None           # row-parallel: (start, length) of in_features
         self.reduce_results = True                                 # row-parallel: all-reduce the partial sum here
-        self.lora_tp: TensorParallel = SINGLE     # the ranks a fully sharded LoRA is split over (shard_lora_fully)
-        self.lora_max_rank = 0                    # and its slots' rank
+        # fully sharded LoRA (shard_lora_fully): the ranks it is split over, and this rank's (start, length) of
+        # lora_A's rank rows (column-parallel) or of lora_B's output rows (row-parallel)
+        self.lora_tp: TensorParallel = SINGLE
+        self.lora_rank_shard: tuple[int, int] | None = None
+        self.lora_output_shard: tuple[int, int] | None = None
 
     @classmethod
     def column_parallel(cls, in_features: int, output_sizes: list[int], shards: list[tuple[int, int]], bias: bool,
@@ -143,21 +146,22 @@ class Linear(nn.Module):
 
     def shard_lora_fully(self, tp: TensorParallel, max_rank: int) -> None:
         """Hold this projection's LoRA fully sharded over `tp` (the class docstring), with slots of `max_rank`."""
-        if self.output_shards is None and self.input_shard is None:
+        rank_shard = tp.split(max_rank, "max_lora_rank with fully sharded LoRA")
+        if self.output_shards is not None:
+            self.lora_rank_shard = rank_shard
+        elif self.input_shard is not None:
+            self.lora_output_shard = tp.split(self.slice_offsets[-1], "Output size of a row-parallel projection")
+        else:
             raise ValueError("fully sharded LoRA needs a column- or row-parallel projection")
-        tp.split(max_rank, "max_lora_rank with fully sharded LoRA")
-        if self.input_shard is not None:
-            tp.split(self.slice_offsets[-1], "Output size of a row-parallel projection with fully sharded LoRA")
-        self.lora_tp, self.lora_max_rank = tp, max_rank
+        self.lora_tp = tp
 
     def lora_slot_shape(self, max_rank: int) -> tuple[int, tuple[int, ...]]:
         """(rows of lora_A per slice, the slices' row offsets in lora_B) that this module's slot holds."""
-        tp = self.lora_tp
-        if tp.world_size == 1:
-            return max_rank, tuple(self.slice_offsets)
-        if self.output_shards is not None:
-            return max_rank // tp.world_size, tuple(self.slice_offsets)
-        return max_rank, (0, self.slice_offsets[-1] // tp.world_size)
+        if self.lora_rank_shard is not None:
+            return self.lora_rank_shard[1], tuple(self.slice_offsets)
+        if self.lora_output_shard is not None:
+            return max_rank, (0, self.lora_output_shard[1])
+        return max_rank, tuple(self.slice_offsets)
 
     def shard_lora(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of one fused slice's LoRA: a [rank, in_features], b [slice rows, rank] of the whole
@@ -165,17 +169,16 @@ class Linear(nn.Module):
         row-parallel: a's columns of the shard; whole otherwise). Fully sharded, also: column-parallel, a's rows
         [k * R / tp, (k + 1) * R / tp) of a zero-padded to the slots' rank R; row-parallel, b's rows of this rank's
         share of the output."""
-        tp = self.lora_tp
         if self.output_shards is not None:
             b = b.narrow(0, *self.output_shards[shard])
-            if tp.world_size > 1:
-                part = self.lora_max_rank // tp.world_size
-                a = F.pad(a, (0, 0, 0, self.lora_max_rank - a.shape[0])).narrow(0, tp.rank * part, part)
+            if self.lora_rank_shard is not None:
+                start, length = self.lora_rank_shard
+                a = F.pad(a, (0, 0, 0, max(0, start + length - a.shape[0]))).narrow(0, start, length)
             return a, b
         if self.input_shard is not None:
             a = a.narrow(1, *self.input_shard)
-            if tp.world_size > 1:
-                b = b.narrow(0, *tp.split(b.shape[0], "Output size of a row-parallel projection"))
+            if self.lora_output_shard is not None:
+                b = b.narrow(0, *self.lora_output_shard)
             return a, b
         return a, b
 
@@ -202,14 +205,14 @@ class Linear(nn.Module):
     def _whole_xa(self, xa: torch.Tensor) -> torch.Tensor:
         """The shrink's output as the expand reads it; fully sharded, this rank's part of it made whole over the
         ranks: column-parallel, every rank's rank rows of each slice gathered (each rank's part in its place in a
-        zero buffer, summed by one all-reduce, which is the one fast collective, captured in CUDA graphs);
+        zero buffer, summed by one all-reduce: the collective with a one-launch kernel, captured in CUDA graphs);
         row-parallel, the partial sums over the input shards added up. xa: [..., num_slices * r] (split-K partials
         included) -> [..., num_slices * R]."""
         tp = self.lora_tp
-        if tp.world_size == 1:
-            return xa
-        if self.input_shard is not None:
+        if self.lora_output_shard is not None:
             return tp.all_reduce(xa)
+        if self.lora_rank_shard is None:
+            return xa
         lead, slices = xa.shape[:-1], len(self.slice_offsets) - 1
         whole = xa.new_zeros(*lead, slices, tp.world_size, xa.shape[-1] // slices)
         whole.select(-2, tp.rank).copy_(xa.unflatten(-1, (slices, -1)))
@@ -217,9 +220,7 @@ class Linear(nn.Module):
 
     def _lora_rows(self, y: torch.Tensor) -> torch.Tensor:
         """The columns of y this rank's lora_B writes: its share of the output when fully sharded row-parallel."""
-        if self.lora_tp.world_size == 1 or self.input_shard is None:
-            return y
-        return y.narrow(1, *self.lora_tp.split(y.shape[1], "Output size of a row-parallel projection"))
+        return y if self.lora_output_shard is None else y.narrow(1, *self.lora_output_shard)
 
     def forward_deferred(self, x: torch.Tensor, lora_info: LoRABatchInfo | None, silu_and_mul_next: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
@@ -228,8 +229,9 @@ class Linear(nn.Module):
         is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
         the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
         large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, not a
-        CUDA-graph batch (LoRABatchInfo.overlap), not a decode step, or a row-parallel shard at world size > 1 (its
-        delta would be a partial sum, to be added before the all-reduce).
+        CUDA-graph batch (LoRABatchInfo.overlap), not a decode step, a row-parallel shard at world size > 1 (its
+        delta would be a partial sum, to be added before the all-reduce), or fully sharded LoRA (a collective
+        between its shrink and expand).
 
         silu_and_mul_next (gate_up, whose caller takes SiLU-and-mul of y next): on a batch with a tile map and
         KernelChoices.lora_expand_in_consumers, delta is a PendingExpand instead, the expand left for that
