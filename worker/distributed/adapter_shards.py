@@ -46,8 +46,7 @@ def shard_adapter(model: nn.Module, adapter: AdapterBytes) -> AdapterBytes:
         b = m.b.view(adapter.dtype).view(m.out_features, m.rank)         # lora_B [out_features, rank]
         a, b = model.projection(layer, name).shard_lora(shard, a, b)
         modules[(layer, target)] = dataclasses.replace(m, a=_bytes(a), b=_bytes(b), in_features=a.shape[1],
-                                                       out_features=b.shape[0],
-                                                       a_rows=None if a.shape[0] == m.rank else a.shape[0])
+                                                       out_features=b.shape[0])
     experts = {layer: shard_expert_layer(found, *model.moe_block(layer).experts.intermediate_shard)
                for layer, found in adapter.experts.items()}
     return dataclasses.replace(adapter, modules=modules, experts=experts)

@@ -42,13 +42,13 @@ class AdapterSpec:
 @dataclass(frozen=True)
 class ModuleBytes:
     """One module's weights as raw bytes in the serving dtype, row-major."""
-    a: torch.Tensor          # [a_rows * in_features * itemsize] uint8: lora_A [rank or a_rows, in_features]
+    a: torch.Tensor          # [rows * in_features * itemsize] uint8: lora_A [rank, in_features] (fully sharded:
+                             # a rank's share of the slot's rows, distributed/adapter_shards.py)
     b: torch.Tensor          # [out_features * rank * itemsize] uint8: lora_B [out_features, rank]
     rank: int
     in_features: int
     out_features: int
     scaling: float
-    a_rows: int | None = None   # lora_A's rows when not `rank`: a fully sharded rank's share (distributed/adapter_shards)
 
 
 @dataclass

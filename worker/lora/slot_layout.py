@@ -92,7 +92,7 @@ class SlotLayout:
         of modules); modules it does not target stay zero.
 
         A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R
-        (fully sharded LoRA: lora_A's rows padded to this rank's share of R, ModuleBytes.a_rows).
+        (fully sharded LoRA: lora_A holds this rank's share of R's rows, already padded by adapter_shards).
         """
         assert adapter.dtype == self.dtype, f"adapter read as {adapter.dtype}, slots hold {self.dtype}"
         parts = [("bytes", m.a) if kind == "a" else ("bytes", self._b_rows(m)) if kind == "b" else
@@ -166,10 +166,9 @@ class SlotLayout:
         for (layer, name), region in self.regions.items():
             slices = [by_slice.get((layer, name, s)) for s in range(len(region.slice_offsets) - 1)]
             in_features, out_features = region.a_shape[1], region.b_shape[0]
-            a_rank = region.a_shape[0] // len(slices)
+            a_bytes = region.a_shape[0] // len(slices) * in_features * item    # one slice's lora_A rows
             for m in slices:
-                parts += ([("zeros", a_rank * in_features * item)] if m is None else
-                          [("a", m), ("zeros", (a_rank - _a_rows(m)) * in_features * item)])
+                parts += [("zeros", a_bytes)] if m is None else [("a", m), ("zeros", a_bytes - _a_bytes(m))]
             parts.append(("zeros", region.b_offset - region.a_offset - region.a_shape[0] * in_features * item))
             for m, lo, hi in zip(slices, region.slice_offsets, region.slice_offsets[1:]):
                 parts.append(("zeros", (hi - lo) * R * item) if m is None else ("b", m))
@@ -197,10 +196,10 @@ class SlotLayout:
         return torch.cat(tensors, out=packed)
 
 
-def _a_rows(m: ModuleBytes | ModuleSource) -> int:
-    """The rows of lora_A a module holds: its rank, or a fully sharded rank's share (ModuleBytes.a_rows)."""
-    rows = getattr(m, "a_rows", None)
-    return m.rank if rows is None else rows
+def _a_bytes(m: ModuleBytes | ModuleSource) -> int:
+    """lora_A's bytes: the tensor's (its rank's rows, or a fully sharded rank's share of the slot's rows,
+    distributed/adapter_shards.py), or the file range's (read in the slots' dtype only)."""
+    return m.a.numel() if isinstance(m.a, torch.Tensor) else m.a[1] - m.a[0]
 
 
 def _run_all(calls: list[Callable[[], None]], pool: concurrent.futures.Executor | None) -> None:
