@@ -34,7 +34,7 @@ from worker.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, Sc
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.lora.adapter import module_shapes
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 # run name -> (batch size, adapter of each sequence, cycled); adapters a0..a31 are rank 16

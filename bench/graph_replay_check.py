@@ -28,7 +28,7 @@ import torch
 from bench.decode_step import RUNS, build_engine, start_requests, time_decode
 from bench.make_adapters import make_adapter
 from worker.config import KernelConfig
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 VARIANTS = {"side-stream": {}, "in-line": dict(kernels=KernelConfig(lora_side_stream=False)),
             "sync-scheduling": dict(async_scheduling=False)}
@@ -48,16 +48,16 @@ def input_report(engine, batch: int) -> dict:
         problems.append("input id out of range")
     if max(tables.max().item(), 0) >= kv.num_blocks:
         problems.append("block table entry past the pool")
-    if max(host["slot_mapping"][:batch]) >= kv.num_blocks * engine.runner.kv_pool.block_size:
+    if max(host["kv_slot_mapping"][:batch]) >= kv.num_blocks * engine.runner.kv_pool.block_size:
         problems.append("slot past the pool")
     if host["seg_indptr"][:batch + 1] != list(range(batch + 1)):
         problems.append("segments are not one per sequence")
-    weights = host["weight_indices"][:batch]
+    weights = host["seg_lora_slots"][:batch]
     if any(w >= pool.num_slots for w in weights) or any(w >= 0 and ranks[w] <= 0 for w in weights):
         problems.append("segment names an empty or missing slot")
     if any(r > pool.max_rank for r in ranks):
         problems.append("slot rank above the slot size")
-    return {"problems": problems, "weight_indices": weights, "ranks": ranks,
+    return {"problems": problems, "seg_lora_slots": weights, "ranks": ranks,
             "positions_max": max(host["positions"][:batch]), "seq_lens": host["seq_lens"][:batch],
             "ranks_host": list(pool.ranks_host)}
 

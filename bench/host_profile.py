@@ -30,7 +30,7 @@ from bench.decode_step import build_engine
 from bench.make_adapters import make_adapter
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 
 def timed_steps(engine, steps: int, add_prefill: bool, prompt_len: int, adapters: list[str], tag: str) -> list[float]:

@@ -7,7 +7,7 @@ orders them, times per shape:
 - `per_row`: lora_shrink then lora_expand into y with one segment per row (max_seg_len 1: the GEMV-style
   programs, each row reading its adapter's A and B on its own);
 - `grouped`: the same with one segment per adapter, padded to a fixed segment count as a decode graph pads
-  it (min(rows, adapters + 2)), max_seg_len = rows (the row-tile programs of kernels/tiles.py: each tile
+  it (min(rows, adapters + 2)), max_seg_len = rows (the row-tile programs of kernels/row_tiles.py: each tile
   reads its adapter's A and B once for all its rows), under the kernels' own configs;
 - `engine`: the grouped rows as a decode graph runs them (layers/linear.py with a tile map): 16-row tiles from
   the host's tile map, the kernels' grouped_config (split-K shrink);
@@ -38,7 +38,7 @@ from worker.kernels.lora_expand import grouped_config as expand_grouped_config
 from worker.kernels.lora_expand import lora_expand
 from worker.kernels.lora_shrink import grouped_config as shrink_grouped_config
 from worker.kernels.lora_shrink import lora_shrink
-from worker.kernels.tile_map import host_tile_map, max_tiles
+from worker.kernels.row_tiles_host import host_tile_map, max_tiles
 from worker.layers.kernel_choices import KernelChoices
 from worker.layers.linear import project
 

@@ -20,8 +20,8 @@ import torch
 
 from bench.decode_step import copy_bandwidth
 from bench.kernels_lora import graph_time_us
-from worker.batch import MoELoRAWeights
-from worker.kernels import moe
+from worker.lora.weights import MoELoRAWeights
+from worker.kernels import fused_moe as moe
 from worker.kernels.moe_gemv import small_batch_moe
 from worker.kernels.moe_lora import MoELoRAStep, MoELoRAWorkspace
 

@@ -43,7 +43,7 @@ from bench.workloads import Workload
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 PATTERNS = {"distinct": ("distinct", 1.0), "uniform": ("uniform", 1.0), "zipf1.5": ("zipf", 1.5)}

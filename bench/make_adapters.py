@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from worker.lora.adapter import SUPPORTED_TARGETS as ALL_TARGETS
 from worker.lora.adapter import module_shapes
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from bench.make_adapters import make_adapter
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 PLAN = re.compile(r"memory plan: .*")
 GRAPHS = re.compile(r"CUDA graphs took ([\d.]+) GiB")

@@ -31,7 +31,7 @@ from bench.make_adapters import make_adapter
 from worker.config import KernelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 RUNS = {"base": [None], "lora16": ["a0"], "64lora16": [f"a{i}" for i in range(64)]}   # adapters, cycled

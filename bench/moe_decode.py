@@ -31,7 +31,7 @@ from bench.decode_step import copy_bandwidth, kernel_profile, time_decode
 from bench.make_adapters import make_adapter
 from worker.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 RANK = 16

@@ -27,7 +27,7 @@ import torch
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams, StructuredOutput
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "note": {"type": "string"}},

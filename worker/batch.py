@@ -57,65 +57,30 @@ class LoRABatchInfo:
     """LoRA metadata of one step. Tokens are grouped into segments of one adapter each.
 
     Running example: sequences with slots [a, a, -1, b] and new-token counts [3, 1, 2, 2] give
-    segments [a, -1, b]: seg_indptr = [0, 4, 6, 8], weight_indices = [a, -1, b].
+    segments [a, -1, b]: seg_indptr = [0, 4, 6, 8], seg_lora_slots = [a, -1, b].
     """
     num_segments: int
     seg_indptr: "torch.Tensor"      # [max_segments + 1] int32; token offsets of segments
-    weight_indices: "torch.Tensor"  # [max_segments] int32; slot of each segment, -1 = base only
+    seg_lora_slots: "torch.Tensor"  # [max_segments] int32; slot of each segment, -1 = base only
     ranks: "torch.Tensor"           # [max_loras] int32; rank of the adapter in each slot (0 = empty)
     max_rank: int                   # max over slots used this step (host-side; 0 skips LoRA entirely)
     max_seg_len: int = 0            # longest segment (host-side; sizes the kernels' grids)
     # [num_tokens] int32 on the device: the slot of each token row (-1: base only, padding rows included);
     # what the MoE-LoRA kernels read (kernels/moe_lora.py), as experts regroup tokens across segments
-    token_slots: "torch.Tensor | None" = None
+    token_lora_slots: "torch.Tensor | None" = None
     # LoRA kernels may run on the side stream beside the base GEMMs (layers/linear.py): CUDA-graph batches
     # only, whose host cost is paid once at capture. Eager steps are bound by the host's launches, and the
     # fork and join would add to them while saving device time nobody waits for.
     overlap: bool = False
     # [2 * tiles] int32 on the device, set for a decode graph whose rows are grouped by adapter (the input
     # builder's grouped mode): (segment, first row) of each TILE_ROWS-row tile, (-1, 0) past the last
-    # (kernels/tile_map.py); the LoRA kernels then read it instead of searching seg_indptr, and split K
+    # (kernels/row_tiles_host.py); the LoRA kernels then read it instead of searching seg_indptr, and split K
     tile_map: "torch.Tensor | None" = None
     # host copies for the reference path, which loops over segments on the CPU
     seg_indptr_host: list[int] = field(default_factory=list)
-    weight_indices_host: list[int] = field(default_factory=list)
+    seg_lora_slots_host: list[int] = field(default_factory=list)
     ranks_host: list[int] = field(default_factory=list)
-    token_slots_host: list[int] = field(default_factory=list)
-
-
-@dataclass
-class LoRAWeights:
-    """One projection's slice of the LoRA slot pool (views owned by lora/gpu_pool.py).
-
-    Slice s of adapter slot w uses rows [s*R, s*R + rank) of a[w] and rows
-    [slice_offsets[s], slice_offsets[s+1]) of b[w]; slots are zero-padded to R = max_lora_rank.
-    """
-    a: "torch.Tensor"           # [num_slots, num_slices * R, in_features]
-    b: "torch.Tensor"           # [num_slots, out_features, R]
-    scalings: "torch.Tensor"    # [num_slots, num_slices] float32
-    slice_offsets: tuple[int, ...]   # [num_slices + 1]; host ints the kernels compile in
-    lora_stream: "torch.cuda.Stream | None" = None   # LoRA work beside the base GEMM runs here
-
-    @property
-    def num_slices(self) -> int:
-        return len(self.slice_offsets) - 1
-
-
-@dataclass
-class MoELoRAWeights:
-    """One MoE layer's expert LoRA over every slot (strided views of the slot pool, lora/gpu_pool.py).
-
-    R = max_lora_rank, E experts, H hidden, I the expert intermediate size, S slots. Ranks below R are
-    zero-padded (A rows and B columns past the rank are zero), so a kernel may run every slot at R or at
-    the slot's own rank (LoRABatchInfo.ranks) with the same result. Slice order: gate 0, up 1, down 2.
-    """
-    gate_up_a: "torch.Tensor"     # [S, E, 2 * R, H]: gate rows [0, R), up rows [R, 2R)
-    gate_up_b: "torch.Tensor"     # [S, E, 2 * I, R]: gate rows [0, I) (read with xa[:, :R]), up rows [I, 2I)
-    down_a: "torch.Tensor"        # [S, E, R, I]
-    down_b: "torch.Tensor"        # [S, E, H, R]
-    scalings: "torch.Tensor"      # [S, 3] float32: gate, up, down; 0 where the projection is not adapted
-    shared_outer: "torch.Tensor"  # [S] int32: 1 where gate_up_a[w, 0] and down_b[w, 0] serve every expert
-                                  # (x @ A once per token, not once per (token, expert))
+    token_lora_slots_host: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -126,7 +91,7 @@ class ForwardBatch:
     max_query_len: int              # most new tokens of one sequence (host-side; sizes attention's grid)
     input_ids: "torch.Tensor"       # [num_tokens] int64
     positions: "torch.Tensor"       # [num_tokens] int64
-    slot_mapping: "torch.Tensor"    # [num_tokens] int64; KV-pool slot (block * block_size + offset) per token
+    kv_slot_mapping: "torch.Tensor"    # [num_tokens] int64; KV-pool slot (block * block_size + offset) per token
     query_start_loc: "torch.Tensor"  # [num_seqs + 1] int32; token offsets of sequences
     seq_lens: "torch.Tensor"        # [num_seqs] int32; context length after this step
     block_tables: "torch.Tensor"    # [num_seqs, max_blocks_per_seq] int32; -1 padded

@@ -68,7 +68,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernels the CUDA path routes work to; the CPU path runs the torch references whatever these say.
-    models/registry.build_model resolves it for the device once (layers/kernel_choices.py) and hands the result
+    models/builder.build_model resolves it for the device once (layers/kernel_choices.py) and hands the result
     to the layers it builds. Turning a choice off gives the path it replaced (cuBLAS, plain launches, LoRA in
     line), which the GPU tests and bench.decode_step compare against."""
     gemv_row_limit: int = 2           # projections of at most this many rows run kernels/gemv.py (0: none)

@@ -22,21 +22,21 @@ import torch
 
 from worker.batch import ScheduledBatch
 from worker.config import WorkerConfig
-from worker.distributed.group import FollowerRanks
+from worker.ranks.group import FollowerRanks
 from worker.distributed.tensor_parallel import SINGLE
 from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
 from worker.launch_pacer import LaunchPacer, StepShape
 from worker.lora.host_cache import HostCache
-from worker.lora.loader import AdapterLoader
+from worker.lora.reader import AdapterReader
 from worker.lora.loads import AdapterLoads, FailedLoad
 from worker.lora.prefetcher import Prefetcher
 from worker.lora.registry import AdapterRegistry
 from worker.lora.slot_layout import PackedReader
 from worker.lora.slot_table import SlotTable
-from worker.model_runner.memory_plan import plan_host_cache
+from worker.lora.host_cache_plan import plan_host_cache
 from worker.model_runner.runner import ModelRunner, StepHandle
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 from worker.request import Request
 from worker.scheduler.scheduler import Scheduler
 from worker.structured.structured_outputs import StructuredOutputs
@@ -90,7 +90,7 @@ class Engine:
         reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
                               read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1,
                               shard=self.runner.model)
-        loader = AdapterLoader(reader, host_cache, lora.lora_load_workers,
+        loader = AdapterReader(reader, host_cache, lora.lora_load_workers,
                                on_read=self.followers.read if self.followers else None)
         slots = SlotTable(lora.max_loras, lora.lora_eviction_policy)
         prefetcher = (Prefetcher(slots, host_cache, loader, window=max(2 * lora.max_loras, 8),

@@ -16,9 +16,9 @@ from worker.kernels import lora_expand as expand_module, lora_shrink as shrink_m
 def _reference_delta(x, a, b, meta, scalings, offsets):
     """float32 xa and delta of the case (reference.py)."""
     ns = len(offsets) - 1
-    xa = reference.lora_shrink(x, a, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], ns)
+    xa = reference.lora_shrink(x, a, meta["seg_indptr"], meta["seg_lora_slots"], meta["ranks"], ns)
     y = torch.zeros(x.shape[0], offsets[-1], device=x.device)
-    reference.lora_expand(y, xa, b, meta["seg_indptr"], meta["weight_indices"], meta["ranks"], scalings, offsets)
+    reference.lora_expand(y, xa, b, meta["seg_indptr"], meta["seg_lora_slots"], meta["ranks"], scalings, offsets)
     return xa, y
 
 
@@ -30,7 +30,7 @@ def _decode_case(device: str, tokens: int = 3, in_dim: int = 48, offsets=(0, 20,
     a = torch.randn(slots, ns * rank, in_dim, device=device)
     b = torch.randn(slots, offsets[-1], rank, device=device)
     weights = [2, -1, 0][:tokens]
-    meta = dict(seg_indptr=list(range(tokens + 1)), weight_indices=weights, ranks=[rank, 2, rank, rank][:slots])
+    meta = dict(seg_indptr=list(range(tokens + 1)), seg_lora_slots=weights, ranks=[rank, 2, rank, rank][:slots])
     return x, a, b, meta, torch.rand(slots, ns, device=device) + 0.5, list(offsets)
 
 
@@ -46,13 +46,13 @@ def test_every_shrink_and_expand_candidate_computes_the_lora_delta():
     expand_kinds = {c["num_warps"]: c for c in bench.EXPAND_CANDIDATES}
     assert len(shrink_kinds) == 8 and len(expand_kinds) == 2
     for shrink in shrink_kinds.values():
-        xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], ns, tokens, 1,
+        xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["seg_lora_slots"], dev["ranks"], ns, tokens, 1,
                                        config={**shrink, "BLOCK_K": 32})
-        rows = [t for t, w in enumerate(meta["weight_indices"]) if w >= 0]
+        rows = [t for t, w in enumerate(meta["seg_lora_slots"]) if w >= 0]
         torch.testing.assert_close(xa[rows], want_xa[rows], atol=1e-4, rtol=1e-4)
     for expand in expand_kinds.values():
         y = torch.full((tokens, offsets[-1]), float("nan"), device=device)
-        expand_module.lora_expand(y, want_xa, b, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], scalings,
+        expand_module.lora_expand(y, want_xa, b, dev["seg_indptr"], dev["seg_lora_slots"], dev["ranks"], scalings,
                                   offsets, tokens, 1, accumulate=False, config={**expand, "BLOCK_N": 16})
         torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-4)
 
@@ -77,13 +77,13 @@ def test_passing_the_kernels_own_config_changes_nothing():
     results = []
     for shrink, expand in [(None, None), (shrink_module.default_config(1, x.shape[1]),
                                           expand_module.default_config(1, rank)), (None, None)]:
-        xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], ns, tokens, 1,
+        xa = shrink_module.lora_shrink(x, a, dev["seg_indptr"], dev["seg_lora_slots"], dev["ranks"], ns, tokens, 1,
                                        config=shrink)
         y = torch.zeros(tokens, offsets[-1], device=device)
-        expand_module.lora_expand(y, xa, b, dev["seg_indptr"], dev["weight_indices"], dev["ranks"], scalings,
+        expand_module.lora_expand(y, xa, b, dev["seg_indptr"], dev["seg_lora_slots"], dev["ranks"], scalings,
                                   offsets, tokens, 1, config=expand)
         results.append((xa, y))
-    rows = [t for t, w in enumerate(meta["weight_indices"]) if w >= 0]
+    rows = [t for t, w in enumerate(meta["seg_lora_slots"]) if w >= 0]
     for xa, y in results:
         assert torch.equal(xa, results[0][0]) and torch.equal(y, results[0][1])
         torch.testing.assert_close(xa[rows], want_xa[rows], atol=1e-4, rtol=1e-4)

@@ -11,7 +11,7 @@ from bench.make_adapters import make_adapter
 from bench.workloads import Workload
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,

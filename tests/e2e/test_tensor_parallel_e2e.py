@@ -57,7 +57,7 @@ def test_a_follower_rank_that_dies_stops_the_server(demo, tmp_path):
     log_path = tmp_path / "server.log"
     with tp2_server(demo, log_path) as (process, _):
         followers = [p for p in psutil.Process(process.pid).children(recursive=True)
-                     if "worker.distributed.follower" in " ".join(p.cmdline())]
+                     if "worker.ranks.follower" in " ".join(p.cmdline())]
         assert len(followers) == 1
         followers[0].kill()
         try:

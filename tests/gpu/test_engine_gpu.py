@@ -214,7 +214,7 @@ def test_every_layer_holds_the_kernel_choices_resolved_for_the_gpu(hf_models):
     where the device has it, and the skinny GEMM's counters, zeros on the device; limits the kernels cannot take
     are refused."""
     from worker.layers.kernel_choices import KernelChoices
-    from worker.models.registry import build_model
+    from worker.models.builder import build_model
     device = torch.device("cuda")
     model = build_model(hf_models["llama"], torch.bfloat16, device, "auto", 64,
                         KernelConfig(gemv_row_limit=1, skinny_row_limit=16))

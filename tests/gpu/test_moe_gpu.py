@@ -13,7 +13,7 @@ from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig,
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.lora.moe_adapter import expert_shape
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 pytestmark = pytest.mark.gpu
 NUM_STEPS = 32
@@ -86,7 +86,7 @@ def run(engine: Engine, rows=ROWS, capture_logits: bool = False):
 @pytest.mark.parametrize("num_rows", [len(ROWS), 2], ids=["grouped-batch", "no-sort-batch"])
 def test_moe_bf16_matches_hf_peft(moe_model, enforce_eager, num_rows):
     """Along our 32 greedy tokens per row (base-only rows beside two expert adapters; at 2 rows the decode
-    steps take the no-sort path, kernels/moe.py): our bf16 logits within hf_compare.BF16_ERROR_FACTOR of HF+PEFT bf16's
+    steps take the no-sort path, kernels/fused_moe.py): our bf16 logits within hf_compare.BF16_ERROR_FACTOR of HF+PEFT bf16's
     own distance from HF+PEFT fp32 (medians over the steps), and our token equals HF+PEFT bf16's argmax at
     every step whose top-two margin exceeds twice the two errors together."""
     engine = make_engine(moe_model, enforce_eager)

@@ -104,7 +104,7 @@ def in_process(fn, *args, timeout: float = IN_PROCESS_TIMEOUT_S):
     theirs.close()
     try:
         if not ours.poll(timeout):
-            subprocess.run(["pkill", "-USR1", "-f", "worker.distributed.follower"], check=False)
+            subprocess.run(["pkill", "-USR1", "-f", "worker.ranks.follower"], check=False)
             time.sleep(2)
             pytest.fail(f"{fn.__name__} gave no result in {timeout} s (stacks on stderr)")
         status, value = ours.recv()

@@ -136,7 +136,7 @@ def test_padding_sequences_without_tokens_write_nothing():
 def test_mixed_graph_padding_leaves_padding_rows_alone(seqs):
     """A mixed-batch CUDA graph's shapes: token rows past the last sequence (in no sequence, never
     written), sequences with no new tokens past the real ones, and the graph's token count as the
-    max_query_len bound. 67 sequences take two vector steps of kernels/tiles.py's tile lookup."""
+    max_query_len bound. 67 sequences take two vector steps of kernels/row_tiles.py's tile lookup."""
     batch = PagedBatch(seqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=4, dtype=torch.float32)
     expected = batch.expected()
     num_tokens, pad_seqs, pad_tokens = batch.q.shape[0], 5, 7

@@ -53,7 +53,7 @@ SCENARIOS = {
     # a mixed-batch CUDA graph: rows and segments padded, max_seg_len the graph's token count
     "mixed-graph-padded": Scenario((19, 1, 1, 7), (1,), "zipf", (4, 16), pad_segments=4, pad_tokens=9,
                                    seg_len_bound=37),
-    # more segments than one vector step of kernels/tiles.py reads (64)
+    # more segments than one vector step of kernels/row_tiles.py reads (64)
     "mixed-70-segments": Scenario((1,) * 69 + (20,), (5, 30), "uniform", (4, 16), pad_segments=2, pad_tokens=3),
 }
 
@@ -80,7 +80,7 @@ class Batch:
     max_seg_len: int
     num_tokens: int
 
-    def token_slots(self) -> list[int | None]:
+    def token_lora_slots(self) -> list[int | None]:
         """Adapter slot of each token row; None for rows in no segment."""
         rows: list[int | None] = [None] * self.num_tokens
         for i, w in enumerate(self.slots):
@@ -88,7 +88,7 @@ class Batch:
         return rows
 
     def device_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """seg_indptr, weight_indices, ranks; padding segments are empty but name a real slot (0)."""
+        """seg_indptr, seg_lora_slots, ranks; padding segments are empty but name a real slot (0)."""
         pad = self.num_segments - len(self.slots)
         indptr = self.seg_indptr + [self.seg_indptr[-1]] * pad
         weights = self.slots + [0] * pad
@@ -114,7 +114,7 @@ def _per_token_xa(x: torch.Tensor, a: torch.Tensor, batch: Batch, num_slices: in
     """float32 xa, one token at a time; NaN on rows in no segment (the kernel must not write them)."""
     R = batch.max_rank
     xa = torch.zeros(batch.num_tokens, num_slices * R, device=x.device)
-    for t, w in enumerate(batch.token_slots()):
+    for t, w in enumerate(batch.token_lora_slots()):
         if w is None:
             xa[t] = float("nan")
             continue
@@ -130,7 +130,7 @@ def _per_token_y(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scalings: t
                  offsets: list[int]) -> torch.Tensor:
     """float32 y + scaled delta, one token at a time."""
     R, out = batch.max_rank, y.float().clone()
-    for t, w in enumerate(batch.token_slots()):
+    for t, w in enumerate(batch.token_lora_slots()):
         if w is None or w < 0:
             continue
         r = batch.slot_ranks[w]
@@ -206,7 +206,7 @@ def test_shrink_over_a_share_of_the_rank_rows_stops_at_the_share(dtype, scenario
     within = Batch(batch.seg_indptr, batch.slots, [min(r, share) for r in batch.slot_ranks], share,
                    batch.num_segments, batch.max_seg_len, batch.num_tokens)
     expected = _per_token_xa(x, a, within, ns)
-    rows = [t for t, w in enumerate(batch.token_slots()) if w is not None]
+    rows = [t for t, w in enumerate(batch.token_lora_slots()) if w is not None]
     assert max(batch.slot_ranks) > share
     _assert_close(xa[rows], expected[rows], dtype if split_k == 1 else torch.float32)
     assert (xa[rows][expected[rows] == 0] == 0).all()
@@ -228,7 +228,7 @@ def test_expand_matches_per_token_reference(dtype, widths, scenario):
     lora_expand(y, xa, b, *batch.device_metadata(), scalings, offsets, batch.num_segments, batch.max_seg_len)
 
     _assert_close(y, _per_token_y(y0, xa, b, scalings, batch, offsets), dtype)
-    untouched = [t for t, w in enumerate(batch.token_slots()) if w is None or w < 0]
+    untouched = [t for t, w in enumerate(batch.token_lora_slots()) if w is None or w < 0]
     assert torch.equal(y[untouched], y0[untouched]), "base-only rows and rows in no segment must be untouched"
 
 
@@ -286,7 +286,7 @@ def test_expand_write_mode_writes_the_delta_alone(dtype, widths, scenario):
                 accumulate=False)
 
     expected = _per_token_y(torch.zeros_like(y), xa, b, scalings, batch, offsets)
-    slots = batch.token_slots()
+    slots = batch.token_lora_slots()
     expected[[t for t, w in enumerate(slots) if w is None]] = float("nan")
     _assert_close(y, expected, torch.float32)
     base_only = [t for t, w in enumerate(slots) if w is not None and w < 0]
@@ -333,7 +333,7 @@ def test_shrink_then_expand_match_reference_module(dtype, scenario):
 def test_split_k_and_host_tile_map_give_the_reference_result(dtype, scenario, tile_map, split_k):
     """Shrink partial sums over split_k ranges of K (float32, added up by the expand) and row tiles read from
     the host's map (tiles.host_tile_map, the decode graphs' grouped rows) give the reference's delta."""
-    from worker.kernels.tile_map import host_tile_map, max_tiles
+    from worker.kernels.row_tiles_host import host_tile_map, max_tiles
     p = _qkv_problem(scenario, dtype, seed=6)
     batch, meta, y = p.batch, p.batch.device_metadata(), p.y0.clone()
     max_seg_len = max(batch.max_seg_len, 2)
@@ -367,7 +367,7 @@ def test_expand_inside_silu_and_mul_gives_the_reference_and_the_two_kernel_resul
     in no segment are not written."""
     from worker.kernels.fused import silu_and_mul
     from worker.kernels.lora_expand import lora_expand_silu_mul
-    from worker.kernels.tile_map import host_tile_map, max_tiles
+    from worker.kernels.row_tiles_host import host_tile_map, max_tiles
     gen = torch.Generator().manual_seed(11)
     batch = _make_batch(SCENARIOS[scenario], gen)
     widths = SLICE_WIDTHS["gate_up"]
@@ -387,8 +387,8 @@ def test_expand_inside_silu_and_mul_gives_the_reference_and_the_two_kernel_resul
     lora_expand_silu_mul(y, xa, b, *meta, scalings, tiles, out=out, config=cfg)
     assert torch.equal(y, y_before)
 
-    rows = [t for t, w in enumerate(batch.token_slots()) if w is not None]
-    padding = [t for t, w in enumerate(batch.token_slots()) if w is None]
+    rows = [t for t, w in enumerate(batch.token_lora_slots()) if w is not None]
+    padding = [t for t, w in enumerate(batch.token_lora_slots()) if w is None]
     assert out[padding].isnan().all()
     summed = _per_token_y(y, xa_eff, b, scalings, batch, _offsets(widths))       # float32 y + delta
     expected = reference.silu_and_mul(summed)

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from worker.kernels import moe, reference
-from worker.kernels.moe import MoEWorkspace, fused_moe
+from worker.kernels import fused_moe as moe, reference
+from worker.kernels.fused_moe import MoEWorkspace, fused_moe
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -39,7 +39,7 @@ def workspace(max_tokens, num_experts, top_k, hidden, inter, dtype):
 
 
 def reference_moe(x, logits, gate_up, down, top_k, renormalize, float32_weights, compute_dtype=None):
-    """moe_route + moe_experts as layers/moe.py calls them; compute_dtype: upcast everything first."""
+    """moe_route + moe_experts as layers/sparse_moe.py calls them; compute_dtype: upcast everything first."""
     if compute_dtype is not None:
         x, logits, gate_up, down = (t.to(compute_dtype) for t in (x, logits, gate_up, down))
     weights, ids = reference.moe_route(logits, top_k, renormalize)

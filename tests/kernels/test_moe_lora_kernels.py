@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from worker.batch import MoELoRAWeights  # noqa: E402
-from worker.kernels import moe, reference  # noqa: E402
-from worker.kernels.moe import MoEWorkspace, fused_moe  # noqa: E402
+from worker.lora.weights import MoELoRAWeights  # noqa: E402
+from worker.kernels import fused_moe as moe, reference  # noqa: E402
+from worker.kernels.fused_moe import MoEWorkspace, fused_moe  # noqa: E402
 from worker.kernels.moe_lora import (  # noqa: E402
     MoELoRAStep,
     MoELoRAWorkspace,
@@ -154,9 +154,9 @@ def _workspace(shape: Shape, max_tokens: int) -> MoELoRAWorkspace:
 
 
 def _step(w, ranks, slots: list[int], ws: MoELoRAWorkspace) -> MoELoRAStep:
-    token_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    token_lora_slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     used = [int(ranks[s]) for s in set(slots) if s >= 0]
-    return MoELoRAStep(w, token_slots, ranks, max(used, default=1), ws)
+    return MoELoRAStep(w, token_lora_slots, ranks, max(used, default=1), ws)
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -301,7 +301,7 @@ def test_hooks_in_a_moe_block_match_reference_moe_lora_experts(scenario, strateg
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_each_ranks_share_of_the_intermediate_size_sums_to_the_whole_block(world_size):
-    """Tensor parallelism (layers/moe.py): the experts and their LoRA cut to each rank's share of I (gate and up
+    """Tensor parallelism (layers/sparse_moe.py): the experts and their LoRA cut to each rank's share of I (gate and up
     rows of gate_up and of gate_up_b, columns of down and of down_a), each rank's fused_moe run in a MoEWorkspace
     sized I / world_size (model.moe_intermediate_size_per_rank); the ranks' partial outputs sum to
     reference.moe_lora_experts of the whole block (float32)."""
@@ -430,7 +430,7 @@ def _fused_moe_case(shape: Shape, slots: list[int], dtype, gen, seed_logits: int
 
 
 def _reference_fused(x, logits, gate_up, down, shape, slots, w, ranks, float32_weights, compute_dtype=None):
-    """reference.moe_route + reference.moe_lora_experts as layers/moe.py calls them (upcast first if asked; the
+    """reference.moe_route + reference.moe_lora_experts as layers/sparse_moe.py calls them (upcast first if asked; the
     reference reads the slots in float32)."""
     slot_view = _reference_slots(w, ranks)
     if compute_dtype is not None:

@@ -94,14 +94,14 @@ def test_mixed_batch_rows_equal_their_own_peft_adapter(peft_moe, popularity, num
     rng = random.Random(num_tokens)
     rows = _mix(popularity, num_tokens, rng)
     order = [2, 0, 1]                                     # slot w holds adapter order[w]: slots != adapter ids
-    token_slots = [order.index(k) if k >= 0 else -1 for k in rows]
+    token_lora_slots = [order.index(k) if k >= 0 else -1 for k in rows]
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(num_tokens))
     for layer in (0, 1):
         block = moe_block(model, layer)
         with torch.no_grad():
             _, topk_weights, topk_ids = block.gate(x)
             slots = reference_slots([(parsed[NAMES[k]][0][layer], parsed[NAMES[k]][1]) for k in order], SHAPE, 8)
-            got = moe_lora_experts(x, *_experts_base(block), topk_weights, topk_ids, token_slots, slots)
+            got = moe_lora_experts(x, *_experts_base(block), topk_weights, topk_ids, token_lora_slots, slots)
         want = torch.stack([_peft_rows(model, block, x, NAMES[k] if k >= 0 else None)[t]
                             for t, k in enumerate(rows)])
         assert _relative_error(got, want) <= 1e-5
@@ -144,11 +144,11 @@ def test_random_slots_equal_merged_weights(shared, ranks, popularity):
     topk_weights, topk_ids = torch.rand(num_tokens, NUM_EXPERTS, generator=gen).softmax(-1).topk(TOP_K, dim=-1)
     rng = random.Random(len(ranks))
     choices = list(range(-1, len(ranks)))
-    token_slots = {"distinct": [choices[t % len(choices)] for t in range(num_tokens)],
+    token_lora_slots = {"distinct": [choices[t % len(choices)] for t in range(num_tokens)],
                    "uniform": [rng.choice(choices) for _ in range(num_tokens)],
                    "identical": [len(ranks) - 1] * num_tokens}[popularity]
-    got = moe_lora_experts(x, gate_up, down, topk_weights, topk_ids, token_slots, slots)
-    want = merged_moe(x, gate_up, down, topk_weights, topk_ids, deltas, token_slots)
+    got = moe_lora_experts(x, gate_up, down, topk_weights, topk_ids, token_lora_slots, slots)
+    want = merged_moe(x, gate_up, down, topk_weights, topk_ids, deltas, token_lora_slots)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -160,9 +160,9 @@ def test_rows_without_adapter_are_exactly_moe_experts(dtype):
     gate_up = (0.1 * torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen)).to(dtype)
     down = (0.1 * torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen)).to(dtype)
     topk_weights, topk_ids = torch.rand(11, NUM_EXPERTS, generator=gen).softmax(-1).topk(TOP_K, dim=-1)
-    token_slots = [0, -1, 1, -1, -1, 0, 1, -1, 0, -1, 1]
-    got = moe_lora_experts(x, gate_up, down, topk_weights, topk_ids, token_slots, slots)
-    base_rows = torch.tensor([w < 0 for w in token_slots])
+    token_lora_slots = [0, -1, 1, -1, -1, 0, 1, -1, 0, -1, 1]
+    got = moe_lora_experts(x, gate_up, down, topk_weights, topk_ids, token_lora_slots, slots)
+    base_rows = torch.tensor([w < 0 for w in token_lora_slots])
     assert torch.equal(got[base_rows], moe_experts(x, gate_up, down, topk_weights, topk_ids)[base_rows])
     assert torch.equal(moe_lora_experts(x, gate_up, down, topk_weights, topk_ids, [-1] * 11, slots),
                        moe_experts(x, gate_up, down, topk_weights, topk_ids))

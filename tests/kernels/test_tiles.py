@@ -1,4 +1,4 @@
-"""kernels/tiles.py: the tile lookup that lets prefill grids be sized by host bounds, against its reference."""
+"""kernels/row_tiles.py: the tile lookup that lets prefill grids be sized by host bounds, against its reference."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from worker.kernels import reference  # noqa: E402  (after TRITON_INTERPRET is set)
-from worker.kernels.tiles import max_tiles, tile_map  # noqa: E402
+from worker.kernels.row_tiles import max_tiles, tile_map  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -44,9 +44,9 @@ def test_a_pending_token_is_taken_from_the_previous_sampler_output():
     fb = builder.build(batch, prev_tokens=prev_tokens)
     assert fb.input_ids.tolist() == [11, 12, 13, 92, 32]
     assert fb.positions.tolist() == [0, 1, 2, 3, 1]
-    assert fb.slot_mapping.tolist() == [12, 13, 14, 15, 13]    # block 3 holds positions 0-3
+    assert fb.kv_slot_mapping.tolist() == [12, 13, 14, 15, 13]    # block 3 holds positions 0-3
     assert fb.seq_lens.tolist() == [3, 4, 2]
-    assert fb.lora.weight_indices_host == [0, -1] and fb.lora.seg_indptr_host == [0, 3, 5]
+    assert fb.lora.seg_lora_slots_host == [0, -1] and fb.lora.seg_indptr_host == [0, 3, 5]
 
 
 def test_consecutive_builds_alternate_host_sets_and_keep_device_views():
@@ -67,7 +67,7 @@ def test_only_graph_shaped_batches_let_lora_overlap_the_base_gemms():
     decode = ScheduledBatch([seq("a", [5, 6], [7], 2, 1, slot=0), seq("b", [8], [9], 1, 1)])
     assert builder.build(decode).lora.overlap is False
     padded = builder.build(decode, pad_to=4)
-    assert padded.lora.overlap is True and padded.lora.weight_indices_host == [0, -1, -1, -1]
+    assert padded.lora.overlap is True and padded.lora.seg_lora_slots_host == [0, -1, -1, -1]
 
 
 def test_mixed_graph_padding_fills_fixed_shapes():
@@ -82,11 +82,11 @@ def test_mixed_graph_padding_fills_fixed_shapes():
     fb = builder.build(batch, mixed_pad=(8, 5))
     assert (fb.num_tokens, fb.num_seqs, fb.max_query_len) == (8, 5, 8)
     assert fb.input_ids.tolist() == [11, 12, 13, 23, 32, 0, 0, 0]
-    assert fb.slot_mapping.tolist()[5:] == [-1, -1, -1]
+    assert fb.kv_slot_mapping.tolist()[5:] == [-1, -1, -1]
     assert fb.query_start_loc.tolist() == [0, 3, 4, 5, 5, 5]
     assert fb.seq_lens.tolist() == [3, 3, 2, 0, 0]
     assert fb.logits_indices.tolist() == [2, 3, 4, 0, 0]
-    assert fb.lora.seg_indptr_host == [0, 3, 4, 5, 5, 5] and fb.lora.weight_indices_host == [0, -1, 0, -1, -1]
+    assert fb.lora.seg_indptr_host == [0, 3, 4, 5, 5, 5] and fb.lora.seg_lora_slots_host == [0, -1, 0, -1, -1]
     assert (fb.lora.num_segments, fb.lora.max_seg_len, fb.lora.overlap) == (5, 8, False)
     assert fb.lora.seg_indptr.tolist() == [0, 3, 4, 5, 5, 5]
 
@@ -122,16 +122,16 @@ def test_mixed_graph_padding_gives_the_unpadded_logits(hf_models):
 
 
 def test_token_slots_give_each_token_row_its_segments_slot():
-    """Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2]: token_slots [a, a, a, a, -1, -1, b, b], on the
+    """Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2]: token_lora_slots [a, a, a, a, -1, -1, b, b], on the
     host and on the device (a field of the one input buffer)."""
     builder = make_builder()
     batch = ScheduledBatch([seq("p", [1, 2, 3], [], 0, 3, slot=0), seq("d", [4, 5], [6], 2, 1, slot=0),
                             seq("base", [7, 8], [], 0, 2), seq("b", [9, 10], [], 0, 2, slot=1)])
     info = builder.build(batch).lora
-    assert info.token_slots_host == [0, 0, 0, 0, -1, -1, 1, 1]
-    assert info.token_slots.dtype == torch.int32 and info.token_slots.tolist() == info.token_slots_host
+    assert info.token_lora_slots_host == [0, 0, 0, 0, -1, -1, 1, 1]
+    assert info.token_lora_slots.dtype == torch.int32 and info.token_lora_slots.tolist() == info.token_lora_slots_host
     dev = builder._dev_buf
-    assert dev.data_ptr() <= info.token_slots.data_ptr() < dev.data_ptr() + dev.numel()
+    assert dev.data_ptr() <= info.token_lora_slots.data_ptr() < dev.data_ptr() + dev.numel()
 
 
 def test_decode_padding_rows_have_no_slot():
@@ -139,15 +139,15 @@ def test_decode_padding_rows_have_no_slot():
     decode = ScheduledBatch([seq("a", [5, 6], [7], 2, 1, slot=0), seq("b", [8], [9], 1, 1),
                              seq("c", [3], [4], 1, 1, slot=0)])
     info = builder.build(decode, pad_to=6).lora
-    assert info.token_slots_host == [0, -1, 0, -1, -1, -1] and info.token_slots.tolist() == info.token_slots_host
+    assert info.token_lora_slots_host == [0, -1, 0, -1, -1, -1] and info.token_lora_slots.tolist() == info.token_lora_slots_host
 
 
 def test_mixed_graph_padding_rows_have_no_slot():
     builder = make_builder()
     batch = ScheduledBatch([seq("prefill", [11, 12, 13], [], 0, 3, slot=0), seq("decode", [21, 22], [23], 2, 1)])
     info = builder.build(batch, mixed_pad=(8, 4)).lora
-    assert info.token_slots_host == [0, 0, 0, -1, -1, -1, -1, -1]
-    assert info.token_slots.tolist() == info.token_slots_host
+    assert info.token_lora_slots_host == [0, 0, 0, -1, -1, -1, -1, -1]
+    assert info.token_lora_slots.tolist() == info.token_lora_slots_host
 
 
 def test_a_batch_forced_onto_the_lora_path_has_every_row_base_only():
@@ -155,34 +155,34 @@ def test_a_batch_forced_onto_the_lora_path_has_every_row_base_only():
     batch = ScheduledBatch([seq("a", [5, 6], [], 0, 2), seq("b", [8], [9], 1, 1)])
     assert builder.build(batch).lora is None
     info = builder.build(batch, lora=True).lora
-    assert info.token_slots_host == [-1, -1, -1] and info.token_slots.tolist() == [-1, -1, -1]
+    assert info.token_lora_slots_host == [-1, -1, -1] and info.token_lora_slots.tolist() == [-1, -1, -1]
 
 
 def test_grouped_decode_has_one_segment_per_slot_run_and_a_tile_map_of_fixed_size():
     """Rows ordered by slot [-1, 0, 0, 1] padded to 6 sequences: segments [-1], [0, 0], [1], the padding rows
     one base segment, then empty ones up to grouped_segments(6) = min(6, 2 slots + 2) = 4; max_seg_len 6; the
     tile map (16-row tiles, max_tiles(6, 4, 16) = 5 of them) names each real tile's segment and first row."""
-    from worker.kernels.tile_map import max_tiles
+    from worker.kernels.row_tiles_host import max_tiles
     builder = make_builder()
     batch = ScheduledBatch([seq("base", [1], [2], 1, 1), seq("a", [5, 6], [7], 2, 1, slot=0),
                             seq("b", [3], [4], 1, 1, slot=0), seq("c", [8], [9], 1, 1, slot=1)])
     info = builder.build(batch, pad_to=6, grouped=True).lora
-    assert info.seg_indptr_host == [0, 1, 3, 4, 6] and info.weight_indices_host == [-1, 0, 1, -1]
+    assert info.seg_indptr_host == [0, 1, 3, 4, 6] and info.seg_lora_slots_host == [-1, 0, 1, -1]
     assert info.num_segments == builder.grouped_segments(6) == 4 and info.max_seg_len == 6
-    assert info.token_slots_host == [-1, 0, 0, 1, -1, -1]
+    assert info.token_lora_slots_host == [-1, 0, 0, 1, -1, -1]
     assert info.tile_map.tolist() == [0, 0, 1, 1, 2, 3, 3, 4] + [-1, 0] * (max_tiles(6, 4, 16) - 4)
-    assert info.seg_indptr.tolist() == info.seg_indptr_host and info.weight_indices.tolist() == [-1, 0, 1, -1]
+    assert info.seg_indptr.tolist() == info.seg_indptr_host and info.seg_lora_slots.tolist() == [-1, 0, 1, -1]
     full = ScheduledBatch([seq(f"r{i}", [1], [2], 1, 1, slot=i % 2) for i in range(6)])
     full.seqs.sort(key=lambda s: s.lora_slot)
     info = builder.build(full, pad_to=6, grouped=True).lora
-    assert info.seg_indptr_host == [0, 3, 6, 6, 6] and info.weight_indices_host == [0, 1, -1, -1]
+    assert info.seg_indptr_host == [0, 3, 6, 6, 6] and info.seg_lora_slots_host == [0, 1, -1, -1]
     assert builder.build(batch, pad_to=6).lora.tile_map is None      # the per-row graphs take no map
 
 
 def test_grouped_decode_tile_map_matches_the_kernels_search():
     """host_tile_map agrees with kernels/tiles.locate_tile's answers (reference.tile_map) on segment mixes."""
     from worker.kernels import reference
-    from worker.kernels.tile_map import host_tile_map, max_tiles
+    from worker.kernels.row_tiles_host import host_tile_map, max_tiles
     for lens in ([1] * 5, [17, 0, 3, 40], [0, 0, 16, 16, 1], [64, 1, 65]):
         indptr = [0]
         for n in lens:
@@ -196,7 +196,7 @@ def test_a_mixed_graph_with_a_tile_map_keeps_its_segments_and_maps_their_tiles()
     """A mixed-batch graph of 32 tokens and 6 sequences: segments merged by slot and padded as without the map;
     the map (max_tiles(32, 6, 16) = 8 tiles) holds the real segments' 16-row tiles: the 14-token prefill and
     three decode rows on slot 0 (17 rows) take two."""
-    from worker.kernels.tile_map import max_tiles
+    from worker.kernels.row_tiles_host import max_tiles
     builder = make_builder()
     batch = ScheduledBatch([seq("base", [1], [2], 1, 1), seq("p", list(range(14)), [], 0, 14, slot=0)]
                            + [seq(f"d{i}", [3], [4], 1, 1, slot=0) for i in range(3)])
@@ -204,6 +204,6 @@ def test_a_mixed_graph_with_a_tile_map_keeps_its_segments_and_maps_their_tiles()
     info = builder.build(batch, mixed_pad=(32, 6), grouped=True).lora
     assert plain.tile_map is None
     assert info.seg_indptr_host == plain.seg_indptr_host == [0, 1, 18, 18, 18, 18, 18]
-    assert info.weight_indices_host == plain.weight_indices_host == [-1, 0, -1, -1, -1, -1]
+    assert info.seg_lora_slots_host == plain.seg_lora_slots_host == [-1, 0, -1, -1, -1, -1]
     assert info.max_seg_len == 32
     assert info.tile_map.tolist() == [0, 0, 1, 1, 1, 17] + [-1, 0] * (max_tiles(32, 6, 16) - 3)

@@ -10,7 +10,7 @@ import torch
 from worker.config import CacheConfig, KernelConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8]
 
@@ -101,7 +101,7 @@ def test_dummy_weights_need_only_config_json(hf_models, tmp_path):
 def test_cpu_layers_hold_the_torch_reference_choices(hf_models):
     """On the CPU build_model resolves any KernelConfig to every kernel off (the torch references, no Triton):
     one KernelChoices, held by every layer that launches a kernel on a GPU."""
-    from worker.models.registry import build_model
+    from worker.models.builder import build_model
     model = build_model(hf_models["llama"], torch.float32, torch.device("cpu"), "auto", 64,
                         KernelConfig(gemv_row_limit=4, skinny_row_limit=64))
     holders = [m for m in model.modules() if hasattr(m, "kernels")]

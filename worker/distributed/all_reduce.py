@@ -32,7 +32,7 @@ launch that stages x, signals the peers with an epoch flag, waits for theirs and
 used alternately so that no exit barrier is needed. Its symmetric buffer holds flags and two halves of `max_bytes`
 (`one_shot_all_reduce.buffer_bytes`); Triton is imported only when it is chosen.
 
-distributed/group.join_group attaches it on CUDA at world size >= 2, after `init_tensor_parallel` and before the
+ranks/group.join_group attaches it on CUDA at world size >= 2, after `init_tensor_parallel` and before the
 model is built (layers keep the `TensorParallel` they are built with):
 
     tp = dataclasses.replace(tp, fast_all_reduce=AllReduce(tp.group, device, max_bytes, threshold_bytes, kernel))

@@ -6,7 +6,7 @@ all-reduce; attention heads and KV heads are split across ranks (KV heads replic
 embedding and LM head hold a slice of the vocabulary. At world size 1 every helper returns its input untouched,
 so a model built with `SINGLE` runs exactly the ops it runs without tensor parallelism.
 
-On CUDA, distributed/group.join_group attaches a faster all-reduce before the model is built
+On CUDA, ranks/group.join_group attaches a faster all-reduce before the model is built
 (distributed/all_reduce.py: one-shot over NVLink peer memory for small messages, NCCL above).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: "dist.ProcessGroup | None" = None     # None at world size 1
-    # x -> x summed over the ranks (in place or a new tensor); set by distributed/group.join_group on CUDA at world
+    # x -> x summed over the ranks (in place or a new tensor); set by ranks/group.join_group on CUDA at world
     # size >= 2 (distributed/all_reduce.py); None: dist.all_reduce
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 

@@ -2,7 +2,7 @@
 
 Every metadata tensor is read on the device; the launch grid depends only on host ints (num_seqs,
 max_query_len, tensor shapes), so both functions are safe inside a CUDA graph and never sync. Batches
-with a prefill (max_query_len > 1) launch one program per query tile of the whole batch (kernels/tiles.py),
+with a prefill (max_query_len > 1) launch one program per query tile of the whole batch (kernels/row_tiles.py),
 however the tokens fall into sequences: a graph of a padded token count serves any such batch.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from worker.kernels import pdl
-from worker.kernels.tiles import CHUNK, locate_tile, max_tiles
+from worker.kernels.row_tiles import CHUNK, locate_tile, max_tiles
 
 LOG2_E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -56,7 +56,7 @@ def _paged_attention_kernel(
     """Semantics: program (i, g, t * NUM_SPLITS + s) handles query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of
     sequence i, all GROUP query heads h of KV head g, and split s of the keys they see (FLAT, one split:
     program (p, g, 0) handles query tile p of all sequences' tiles numbered one sequence after another,
-    kernels/tiles.py):
+    kernels/row_tiles.py):
         n = query_start_loc[i+1] - query_start_loc[i]; L = seq_lens[i]
         for token j < n at context position p = L - n + j, head h in [g*GROUP, (g+1)*GROUP):
             key position c in [0, p] lives at k_cache[block_tables[i, c // BLOCK_SIZE], c % BLOCK_SIZE, g]
@@ -168,7 +168,7 @@ def _combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qu
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_tok, stride_v_tok,
                      stride_c_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr):
-    """Semantics: for token t with slot = slot_mapping[t] >= 0 (negative slots are padding, skipped):
+    """Semantics: for token t with slot = kv_slot_mapping[t] >= 0 (negative slots are padding, skipped):
         k_cache.view(-1, ROW)[slot] = k[t].flatten();  v_cache.view(-1, ROW)[slot] = v[t].flatten()
     where ROW = num_kv_heads * head_dim.
     """
@@ -185,12 +185,12 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, programmatic_launch: bool = True) -> None:
-    """Write the step's K/V into the pool, one launch for both; tokens with slot_mapping < 0 are skipped
+             kv_slot_mapping: torch.Tensor, programmatic_launch: bool = True) -> None:
+    """Write the step's K/V into the pool, one launch for both; tokens with kv_slot_mapping < 0 are skipped
     (CUDA-graph padding). Same result as reference.store_kv for non-negative slots.
 
     k, v: [num_tokens, num_kv_heads, head_dim] (heads and dim contiguous); k_cache, v_cache: contiguous
-    [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32/int64.
+    [num_blocks, block_size, num_kv_heads, head_dim]; kv_slot_mapping: [num_tokens] int32/int64.
     programmatic_launch: kernels/pdl.py, where the device has it.
     """
     row = k.shape[1] * k.shape[2]
@@ -198,7 +198,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == k.dtype
     if k.shape[0] == 0:
         return
-    _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
+    _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, kv_slot_mapping, k.stride(0), v.stride(0), row,
                                     ROW=row, ROW_PAD=triton.next_power_of_2(row),
                                     **pdl.launch_options(k.device, programmatic_launch))
 
@@ -239,7 +239,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // group
     d_pad = triton.next_power_of_2(head_dim)
     part_acc, part_max, part_sum = _split_partials(out, num_seqs, splits, d_pad)
-    flat = max_query_len > 1       # prefill / mixed: one program per query tile that exists (kernels/tiles.py)
+    flat = max_query_len > 1       # prefill / mixed: one program per query tile that exists (kernels/row_tiles.py)
     launch = pdl.launch_options(q.device, programmatic_launch)
     if flat:
         grid = (max_tiles(q.shape[0], num_seqs, block_q), num_kv_heads, 1)

@@ -157,16 +157,16 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
 
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slot_mapping: torch.Tensor,
                     delta: torch.Tensor | None = None, programmatic_launch: bool = True,
                     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
-    """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, kv_slot_mapping)
     in one launch: a decode layer's rotary and K/V write cost one kernel instead of two. With `qk_norm` (Qwen3's
     per-head norms: (q_norm weight [D], k_norm weight [D], eps)), q and k are normed first, as rms_norm(q, q_norm,
     eps) and rms_norm(k, k_norm, eps) would (after the delta): three launches become one.
 
     q: [T, Hq, D], k, v: [T, Hk, D] (head_dim contiguous, any token/head strides); k_cache, v_cache:
-    contiguous [num_blocks, block_size, Hk, D]; slot_mapping: [T], negative entries are skipped.
+    contiguous [num_blocks, block_size, Hk, D]; kv_slot_mapping: [T], negative entries are skipped.
     delta: [T, (Hq + 2 Hk) * D] float32 (module docstring), in q | k | v order; v's part reaches only the cache.
     """
     num_tokens, num_q_heads, dim = q.shape
@@ -182,7 +182,7 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         d = delta if delta is not None else q
         q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
         _rotary_store_kv_kernel[(num_tokens,)](
-            q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, d, q_norm, k_norm, eps, q.stride(0),
+            q, k, v, cos, sin, positions, k_cache, v_cache, kv_slot_mapping, d, q_norm, k_norm, eps, q.stride(0),
             q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), d.stride(0), num_q_heads,
             num_k_heads, dim // 2, HAS_DELTA=delta is not None, QK_NORM=qk_norm is not None,
             BLOCK_HALF=triton.next_power_of_2(dim // 2),

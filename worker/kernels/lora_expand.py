@@ -2,7 +2,7 @@
 
 Semantics:
     R = b.shape[2]                                    (slot rank, = max_lora_rank)
-    for i in range(num_segments) with w = weight_indices[i] >= 0:
+    for i in range(num_segments) with w = seg_lora_slots[i] >= 0:
         for t in range(seg_indptr[i], seg_indptr[i+1]), s in range(num_slices),
                 o in range(slice_offsets[s], slice_offsets[s+1]):
             y[t, o] += scalings[w, s] * sum(xa[t, s*R + r] * b[w, o, r] for r in range(ranks[w]))
@@ -15,7 +15,7 @@ start as anything; every row of y must then lie in a segment (the model's batche
 The grid tiles the whole output row (all slices), so a tile may straddle a slice boundary; each slice
 that meets the tile adds its own columns. Programs of empty segments or tiles past a segment's
 length exit after a few loads; the rank loop stops at the segment's own rank. As in lora_shrink, segments
-longer than one token are tiled over all segments in turn (kernels/tiles.py).
+longer than one token are tiled over all segments in turn (kernels/row_tiles.py).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from worker.kernels.lora_shrink import _tile_matmul
-from worker.kernels.tile_map import TILE_ROWS
-from worker.kernels.tiles import CHUNK, group_tile, mapped_tile, max_tiles
+from worker.kernels.row_tiles_host import TILE_ROWS
+from worker.kernels.row_tiles import CHUNK, group_tile, mapped_tile, max_tiles
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, ra
 
 @triton.jit(do_not_specialize=["num_segments"])
 def _lora_expand_kernel(
-        y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
+        y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, seg_lora_slots_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
         tile_map_ptr, out_dim, stride_ym, stride_xas, stride_xam, stride_bw, stride_bo, stride_sw, num_segments,
         SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
         SPLIT_K: tl.constexpr, FLAT: tl.constexpr, TILE_MAP: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -85,7 +85,7 @@ def _lora_expand_kernel(
                                       BLOCK_M, CHUNK)
     if seg < 0:
         return
-    w = tl.load(weight_indices_ptr + seg)
+    w = tl.load(seg_lora_slots_ptr + seg)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = offs_m < seg_end
@@ -141,7 +141,7 @@ def grouped_config(max_rank: int) -> dict:
 
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor,
-                weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+                seg_lora_slots: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
                 slice_offsets: Sequence[int] | torch.Tensor, num_segments: int, max_seg_len: int,
                 accumulate: bool = True, config: dict | None = None, tile_map: torch.Tensor | None = None) -> None:
     """Add every slice's LoRA delta into y in one launch (accumulate=False: write it, zeros on base-only
@@ -149,7 +149,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
 
     y: [num_tokens, out_dim] (updated in place); xa: [num_tokens, num_slices * R], or lora_shrink's float32
     partial sums [split_k, num_tokens, num_slices * R]; b: [num_slots, out_dim, R];
-    seg_indptr: [>= num_segments + 1] int32; weight_indices: [>= num_segments] int32 (-1 = base only);
+    seg_indptr: [>= num_segments + 1] int32; seg_lora_slots: [>= num_segments] int32 (-1 = base only);
     ranks: [num_slots] int32; scalings: [num_slots, num_slices] float32;
     slice_offsets: [num_slices + 1] host ints (compiled in) or an int32 device tensor (read by the kernel).
     num_segments, max_seg_len: host upper bounds that size the grid, as for lora_shrink; tile_map as there.
@@ -175,7 +175,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
     else:
         grid = (num_n_tiles, num_segments)
     _lora_expand_kernel[grid](
-        y, xa, b, seg_indptr, weight_indices, ranks, scalings, offsets_ptr,
+        y, xa, b, seg_indptr, seg_lora_slots, ranks, scalings, offsets_ptr,
         tile_map if tile_map is not None else seg_indptr, out_dim, y.stride(0),
         xa.stride(0) if split_k > 1 else 0, xa.stride(-2), b.stride(0), b.stride(1), scalings.stride(0), num_segments,
         SLICE_OFFSETS=offsets_const, NUM_SLICES=num_slices, MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles,
@@ -199,17 +199,17 @@ def _rank_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, ran
 
 @triton.jit
 def _lora_expand_silu_mul_kernel(
-        out_ptr, y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr, tile_map_ptr,
+        out_ptr, y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, seg_lora_slots_ptr, ranks_ptr, scalings_ptr, tile_map_ptr,
         inter, stride_om, stride_ym, stride_xas, stride_xam, stride_bw, stride_bo, stride_sw,
         MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
     # program (tile * NUM_N_TILES + n_tile) owns out[the tile's rows, n tile]: gate columns n tile of y, up
-    # columns inter + n tile; tiles from the host's map (kernels/tile_map.py)
+    # columns inter + n tile; tiles from the host's map (kernels/row_tiles_host.py)
     n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
     seg, m0, seg_end = mapped_tile(tile_map_ptr, seg_indptr_ptr, tl.program_id(0) // NUM_N_TILES)
     if seg < 0:
         return
-    w = tl.load(weight_indices_ptr + seg)
+    w = tl.load(seg_lora_slots_ptr + seg)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = offs_m < seg_end
@@ -241,14 +241,14 @@ def silu_mul_config(max_rank: int) -> dict:
 
 
 def lora_expand_silu_mul(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor,
-                         weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+                         seg_lora_slots: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
                          tile_map: torch.Tensor, out: torch.Tensor | None = None,
                          config: dict | None = None) -> torch.Tensor:
     """The gate_up projection's LoRA expand inside the SiLU-and-mul after it, over a tile-mapped batch: what
     lora_expand(y, ...) then fused.silu_and_mul(y) compute, without writing y back (y is read once) and in one
     launch instead of two.
 
-    Semantics, for every row t of a segment i with w = weight_indices[i], c < I = y.shape[1] // 2:
+    Semantics, for every row t of a segment i with w = seg_lora_slots[i], c < I = y.shape[1] // 2:
         g, u = y[t, c], y[t, I + c]
         if w >= 0: g = round(g + scalings[w, 0] * xa[t, :rank] . b[w, c, :rank])
                    u = round(u + scalings[w, 1] * xa[t, R:R + rank] . b[w, I + c, :rank])   (float32 sums)
@@ -273,7 +273,7 @@ def lora_expand_silu_mul(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg
     grid = (tile_map.numel() // 2 * num_n_tiles,)
     if grid[0]:
         _lora_expand_silu_mul_kernel[grid](
-            out, y, xa, b, seg_indptr, weight_indices, ranks, scalings, tile_map, inter, out.stride(0), y.stride(0),
+            out, y, xa, b, seg_indptr, seg_lora_slots, ranks, scalings, tile_map, inter, out.stride(0), y.stride(0),
             xa.stride(0) if split_k > 1 else 0, xa.stride(-2), b.stride(0), b.stride(1), scalings.stride(0),
             MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, SPLIT_K=split_k, **cfg)
     return out

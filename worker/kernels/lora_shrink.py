@@ -3,7 +3,7 @@
 Semantics:
     R = a.shape[1] // num_slices                      (slot rank: max_lora_rank, or a fully sharded rank's share)
     for i in range(num_segments):
-        w = weight_indices[i]; rank = min(ranks[w], R) if w >= 0 else 0
+        w = seg_lora_slots[i]; rank = min(ranks[w], R) if w >= 0 else 0
         for t in range(seg_indptr[i], seg_indptr[i+1]), s in range(num_slices), r in range(R):
             xa[t, s*R + r] = x[t] @ a[w, s*R + r]  if r < rank  else  0
     split_k > 1: xa[j, t, s*R + r] = x[t, K_j] @ a[w, s*R + r, K_j] over the j-th of split_k ranges K_j of
@@ -15,7 +15,7 @@ buffer never leaks stale values. Rows of tokens outside every segment are not wr
 The grid depends only on host ints (num_tokens, num_segments, max_seg_len, R), so the launch can be
 captured in a CUDA graph. Decode batches (one token per segment) get one program per segment and rank
 tile; longer segments get one program per m tile that exists, numbered over all segments in turn
-(kernels/tiles.py), so a graph of a padded token count serves any split into segments. Programs past
+(kernels/row_tiles.py), so a graph of a padded token count serves any split into segments. Programs past
 the last tile exit after a few loads, and tiles past the rank store zeros without reading x or a.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.tile_map import TILE_ROWS
-from worker.kernels.tiles import CHUNK, group_tile, mapped_tile, max_tiles
+from worker.kernels.row_tiles_host import TILE_ROWS
+from worker.kernels.row_tiles import CHUNK, group_tile, mapped_tile, max_tiles
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def _tile_matmul(a, b, USE_DOT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_segments"])   # k_per_split, a multiple of BLOCK_K, stays specialized: aligned loads
 def _lora_shrink_kernel(
-        x_ptr, a_ptr, xa_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_map_ptr,
+        x_ptr, a_ptr, xa_ptr, seg_indptr_ptr, seg_lora_slots_ptr, ranks_ptr, tile_map_ptr,
         in_dim, stride_xm, stride_aw, stride_an, stride_xas, stride_xam, num_segments, k_per_split,
         MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr, SPLIT_K: tl.constexpr, FLAT: tl.constexpr,
         TILE_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -60,7 +60,7 @@ def _lora_shrink_kernel(
                                       BLOCK_M, CHUNK)
     if seg < 0:
         return
-    w = tl.load(weight_indices_ptr + seg)
+    w = tl.load(seg_lora_slots_ptr + seg)
     rank = tl.minimum(tl.where(w >= 0, tl.load(ranks_ptr + tl.maximum(w, 0)), 0), MAX_RANK)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -115,14 +115,14 @@ def grouped_config(in_dim: int, out_dim: int) -> tuple[dict, int]:
     return dict(BLOCK_M=TILE_ROWS, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3), split_k
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, seg_lora_slots: torch.Tensor,
                 ranks: torch.Tensor, num_slices: int, num_segments: int, max_seg_len: int,
                 out: torch.Tensor | None = None, config: dict | None = None, split_k: int = 1,
                 tile_map: torch.Tensor | None = None) -> torch.Tensor:
     """xa for all slices of one fused projection in one launch; no host-device sync.
 
     x: [num_tokens, in_dim]; a: [num_slots, num_slices * R, in_dim]; seg_indptr: [>= num_segments + 1] int32;
-    weight_indices: [>= num_segments] int32 (-1 = base only); ranks: [num_slots] int32.
+    seg_lora_slots: [>= num_segments] int32 (-1 = base only); ranks: [num_slots] int32.
     num_segments, max_seg_len: host upper bounds that size the grid and pick the tiles (segments past the
     real ones must have empty token ranges; max_seg_len must be >= every segment's length, and 1 only when
     every segment has at most one token).
@@ -156,7 +156,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     else:
         grid = (split_k * num_n_tiles, num_segments, num_slices)
     _lora_shrink_kernel[grid](
-        x, a, xa, seg_indptr, weight_indices, ranks, tile_map if tile_map is not None else seg_indptr,
+        x, a, xa, seg_indptr, seg_lora_slots, ranks, tile_map if tile_map is not None else seg_indptr,
         in_dim, x.stride(0), a.stride(0), a.stride(1), xa.stride(0) if split_k > 1 else 0, xa.stride(-2),
         num_segments, k_per_split,
         MAX_RANK=max_rank, NUM_N_TILES=num_n_tiles, SPLIT_K=split_k, FLAT=flat, TILE_MAP=tile_map is not None,

@@ -1,4 +1,4 @@
-"""Token -> expert grouping for the MoE grouped GEMMs (kernels/moe.py): a counting sort of the flat rows
+"""Token -> expert grouping for the MoE grouped GEMMs (kernels/fused_moe.py): a counting sort of the flat rows
 (row t*K + j chose expert topk_ids[t, j]) by expert, each expert's rows padded to whole BLOCK_M tiles.
 
 Running example, E = 3, BLOCK_M = 4, flat expert ids [2, 0, 2, 2, 0] (5 rows):

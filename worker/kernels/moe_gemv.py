@@ -5,16 +5,16 @@ and every kernel boundary costs about as much as a kernel: the sorted path's rou
 and weighted sum (and two LoRA hooks of two launches each) are nine launches for ~25 µs of weight bytes on an
 H100. Here the block is at most five launches, each with programmatic dependent launch (kernels/pdl.py):
 
-    route (kernels/moe.py)  ->  [LoRA: gate/up shrink]  ->  gate_up + LoRA expand + SiLU-and-mul
+    route (kernels/fused_moe.py)  ->  [LoRA: gate/up shrink]  ->  gate_up + LoRA expand + SiLU-and-mul
                             ->  [LoRA: down shrink]     ->  down + LoRA expand + routing-weighted sum
 
-Rows are FLAT by (token, choice) as in kernels/moe.py: row t*K + j is token t's j-th expert e = topk_ids[t, j],
-its adapter w = token_slots[t] (-1: none). Each GEMV program streams BLOCK_N whole rows of its expert's weights
+Rows are FLAT by (token, choice) as in kernels/fused_moe.py: row t*K + j is token t's j-th expert e = topk_ids[t, j],
+its adapter w = token_lora_slots[t] (-1: none). Each GEMV program streams BLOCK_N whole rows of its expert's weights
 K-contiguous in BLOCK_K steps and reduces once at the end, as kernels/gemv.py does for dense projections. The
 shrinks are kernels/moe_lora.py's per-row shrink (xa = rows @ A^T, float32, in the MoE-LoRA workspace); the
 expand of each row is done by the program that writes the row's columns, so the deltas never go to memory.
 
-Every value is the one the sorted path computes (kernels/moe.py steps 3-6 with kernels/moe_lora.py's hooks):
+Every value is the one the sorted path computes (kernels/fused_moe.py steps 3-6 with kernels/moe_lora.py's hooks):
 the same roundings in the same places, the K weighted terms summed in the same order; only the order of the
 float32 sums inside a dot product differs. No host-device syncs, no allocations: grids depend on host ints.
 """
@@ -31,13 +31,13 @@ from worker.kernels.moe_lora import MoELoRAStep, shrink_rows
 @triton.jit
 def _gate_up_act_kernel(
         x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden, stride_x, stride_we, stride_wn, stride_act,
-        xa_ptr, b_ptr, scalings_ptr, token_slots_ptr, ranks_ptr, shared_ptr,
+        xa_ptr, b_ptr, scalings_ptr, token_lora_slots_ptr, ranks_ptr, shared_ptr,
         stride_xa, stride_bw, stride_be, stride_bn, stride_sw, stride_shared,
         TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Semantics, flat row r = t*K + j, e = ids[r], columns n < I of this program:
         g = round(x[t] @ gate_up[e, n]),  u = round(x[t] @ gate_up[e, I + n])          (float32 sums)
-        HAS_LORA, w = token_slots[t] >= 0, rank = ranks[w], xr = t*K if shared_outer[w] else r:
+        HAS_LORA, w = token_lora_slots[t] >= 0, rank = ranks[w], xr = t*K if shared_outer[w] else r:
             g = round(g + scalings[w, 0] * sum_{q < rank} xa[xr, q] * gate_up_b[w, e, n, q])          (if scaling != 0)
             u = round(u + scalings[w, 1] * sum_{q < rank} xa[xr, R + q] * gate_up_b[w, e, I + n, q])  (if scaling != 0)
         act[r, n] = round(round(silu(g)) * u)
@@ -74,7 +74,7 @@ def _gate_up_act_kernel(
     g = tl.sum(acc_g, axis=1).to(dtype)                                      # [N]
     u = tl.sum(acc_u, axis=1).to(dtype)
     if HAS_LORA:
-        w = tl.load(token_slots_ptr + t)
+        w = tl.load(token_lora_slots_ptr + t)
         if w >= 0:
             rank = tl.load(ranks_ptr + w)
             shared = tl.load(shared_ptr + w.to(tl.int64) * stride_shared) != 0
@@ -102,18 +102,18 @@ def _gate_up_act_kernel(
 @triton.jit
 def _down_sum_kernel(
         act_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
-        xa_ptr, b_ptr, scalings_ptr, token_slots_ptr, ranks_ptr, shared_ptr,
+        xa_ptr, b_ptr, scalings_ptr, token_lora_slots_ptr, ranks_ptr, shared_ptr,
         stride_xa, stride_bw, stride_be, stride_bn, stride_sw, stride_shared,
         TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, FLOAT32_WEIGHTS: tl.constexpr, HAS_LORA: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         PDL: tl.constexpr):
     """Semantics, token t, columns n < H of this program, for each choice j (row r = t*K + j, e = ids[r]):
         y_j = round(act[r] @ down[e, n])                                                       (float32 sum)
-        HAS_LORA, w = token_slots[t] >= 0, scalings[w, 2] != 0, eb = 0 if shared_outer[w] else e:
+        HAS_LORA, w = token_lora_slots[t] >= 0, scalings[w, 2] != 0, eb = 0 if shared_outer[w] else e:
             y_j = round(y_j + scalings[w, 2] * sum_{q < ranks[w]} xa[r, q] * down_b[w, eb, n, q])
         FLOAT32_WEIGHTS:  out[t, n] = round(sum_j w[t, j] * y_j)                        (Mixtral)
         otherwise:        out[t, n] = round(sum_j round(round(w[t, j]) * y_j))          (Qwen)
-    the sum over j in float32, in order j = 0, 1, ... (kernels/moe.py's weighted sum). Program (token, column
+    the sum over j in float32, in order j = 0, 1, ... (kernels/fused_moe.py's weighted sum). Program (token, column
     block); the K rows are one [BLOCK_J, BLOCK_N, BLOCK_K] tile of weights per step."""
     pdl.launch_dependents(PDL)
     t = tl.program_id(0)
@@ -145,7 +145,7 @@ def _down_sum_kernel(
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=2).to(dtype)                                        # [J, N]
     if HAS_LORA:
-        w = tl.load(token_slots_ptr + t)
+        w = tl.load(token_lora_slots_ptr + t)
         if w >= 0:
             scale = tl.load(scalings_ptr + w.to(tl.int64) * stride_sw + 2)
             if scale != 0:
@@ -192,7 +192,7 @@ def _lora_args(lora: MoELoRAStep | None, b_name: str, placeholder: torch.Tensor)
     w, ws = lora.weights, lora.workspace
     b = getattr(w, b_name)
     assert b.stride(3) == 1 and w.scalings.stride(1) == 1
-    return ([ws.xa, b, w.scalings, lora.token_slots, lora.ranks, w.shared_outer,
+    return ([ws.xa, b, w.scalings, lora.token_lora_slots, lora.ranks, w.shared_outer,
              ws.xa.stride(0), b.stride(0), b.stride(1), b.stride(2), w.scalings.stride(0), w.shared_outer.stride(0)],
             dict(HAS_LORA=True, BLOCK_R=triton.next_power_of_2(ws.max_rank)))
 

@@ -1,7 +1,7 @@
-"""LoRA on the experts of a sparse MoE block: two in-place hooks fused_moe calls (kernels/moe.py).
+"""LoRA on the experts of a sparse MoE block: two in-place hooks fused_moe calls (kernels/fused_moe.py).
 
 Rows are FLAT by (token, choice): row t*K + j is token t's j-th chosen expert e = topk_ids[t, j], and its
-adapter is w = token_slots[t] (-1: base only, the row is not touched). With W = the step's MoELoRAWeights
+adapter is w = token_lora_slots[t] (-1: base only, the row is not touched). With W = the step's MoELoRAWeights
 and R = max_lora_rank:
 
     add_gate_up_lora:  for s in (gate 0, up 1), ea = 0 if W.shared_outer[w] else e:
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.batch import MoELoRAWeights
+from worker.lora.weights import MoELoRAWeights
 from worker.kernels import pdl
 from worker.kernels.lora_shrink import _tile_matmul
 
@@ -46,7 +46,7 @@ _BLOCKS_M = (16, 64)        # the grouped kernels' row tiles; the workspace is s
 class MoELoRAStep:
     """What the MoE-LoRA kernels read in one step."""
     weights: MoELoRAWeights        # one layer's (worker/batch.py)
-    token_slots: torch.Tensor      # [T] int32, -1 = no adapter
+    token_lora_slots: torch.Tensor      # [T] int32, -1 = no adapter
     ranks: torch.Tensor            # [S] int32, each slot's rank (0 = empty)
     max_rank: int                  # host int: the largest rank among this step's slots (grids use it; not 0)
     workspace: MoELoRAWorkspace
@@ -92,10 +92,10 @@ class MoELoRAWorkspace:
 
 
 @triton.jit
-def _tile_rows(tile, token_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_ptr, K, E,
+def _tile_rows(tile, token_lora_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_ptr, K, E,
                GROUPED: tl.constexpr, BLOCK_M: tl.constexpr):
     """Semantics: the flat rows a program owns, their slot w and expert e (one pair per tile).
-    Per row: rows = [tile], w = token_slots[tile // K], e = topk_ids.flat[tile].
+    Per row: rows = [tile], w = token_lora_slots[tile // K], e = topk_ids.flat[tile].
     GROUPED: rows = sorted_rows[tile*BLOCK_M : (tile+1)*BLOCK_M] (-1: padding), w, e = divmod(tile_key[tile], E).
     Returns (rows [BLOCK_M] int32, valid [BLOCK_M], w, e); w < 0: nothing to do."""
     if GROUPED:
@@ -105,7 +105,7 @@ def _tile_rows(tile, token_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_pt
         e = tl.where(key >= 0, key % E, 0)
         valid = rows >= 0
     else:
-        w = tl.load(token_slots_ptr + tile // K)
+        w = tl.load(token_lora_slots_ptr + tile // K)
         e = tl.load(topk_ids_ptr + tile).to(tl.int32)
         rows = tile + tl.arange(0, BLOCK_M)
         valid = rows == tile
@@ -114,7 +114,7 @@ def _tile_rows(tile, token_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_pt
 
 @triton.jit
 def _shrink_kernel(
-        src_ptr, a_ptr, xa_ptr, token_slots_ptr, topk_ids_ptr, ranks_ptr, shared_ptr, sorted_rows_ptr, tile_key_ptr,
+        src_ptr, a_ptr, xa_ptr, token_lora_slots_ptr, topk_ids_ptr, ranks_ptr, shared_ptr, sorted_rows_ptr, tile_key_ptr,
         in_dim, K, E, stride_src, stride_aw, stride_ae, stride_ar, stride_xa, stride_shared,
         GATE_UP: tl.constexpr, MAX_RANK: tl.constexpr, GROUPED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
@@ -127,7 +127,7 @@ def _shrink_kernel(
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
     tile, s = tl.program_id(0), tl.program_id(1)
-    rows, valid, w, e = _tile_rows(tile, token_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_ptr, K, E,
+    rows, valid, w, e = _tile_rows(tile, token_lora_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_ptr, K, E,
                                    GROUPED, BLOCK_M)
     if w < 0:
         return
@@ -164,7 +164,7 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-        out_ptr, xa_ptr, b_ptr, scalings_ptr, token_slots_ptr, topk_ids_ptr, ranks_ptr, shared_ptr,
+        out_ptr, xa_ptr, b_ptr, scalings_ptr, token_lora_slots_ptr, topk_ids_ptr, ranks_ptr, shared_ptr,
         sorted_rows_ptr, tile_key_ptr,
         slice_width, K, E, stride_out, stride_xa, stride_bw, stride_be, stride_bo, stride_sw, stride_shared,
         GATE_UP: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, SCALING0: tl.constexpr,
@@ -176,7 +176,7 @@ def _expand_kernel(
                             sum(xa[xa_row, s*R + r] * B[o, r] for r < ranks[w]))
     Slices whose scaling is 0 add nothing. Program (tile, column tile)."""
     tile = tl.program_id(0)
-    rows, valid, w, e = _tile_rows(tile, token_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_ptr, K, E,
+    rows, valid, w, e = _tile_rows(tile, token_lora_slots_ptr, topk_ids_ptr, sorted_rows_ptr, tile_key_ptr, K, E,
                                    GROUPED, BLOCK_M)
     if w < 0:
         return
@@ -222,20 +222,20 @@ def _expand_kernel(
 
 
 @triton.jit
-def _row_keys(rows, token_slots_ptr, topk_ids_ptr, num_rows, K, E):
+def _row_keys(rows, token_lora_slots_ptr, topk_ids_ptr, num_rows, K, E):
     """(key = w*E + e, valid = row in range and w >= 0) of flat rows [BLOCK]."""
     in_range = rows < num_rows
-    w = tl.load(token_slots_ptr + rows // K, mask=in_range, other=-1)
+    w = tl.load(token_lora_slots_ptr + rows // K, mask=in_range, other=-1)
     e = tl.load(topk_ids_ptr + rows, mask=in_range, other=0).to(tl.int32)
     return w * E + e, w >= 0
 
 
 @triton.jit
-def _count_rows_kernel(token_slots_ptr, topk_ids_ptr, counts_ptr, row_pos_ptr, num_rows, K, E, BLOCK: tl.constexpr):
+def _count_rows_kernel(token_lora_slots_ptr, topk_ids_ptr, counts_ptr, row_pos_ptr, num_rows, K, E, BLOCK: tl.constexpr):
     """Semantics: for each flat row with w >= 0, key = w*E + e: row_pos[row] = counts[key]++ (atomically, so
     rows of one key are numbered 0, 1, ... in any order). counts must start at 0."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    key, valid = _row_keys(rows, token_slots_ptr, topk_ids_ptr, num_rows, K, E)
+    key, valid = _row_keys(rows, token_lora_slots_ptr, topk_ids_ptr, num_rows, K, E)
     pos = tl.atomic_add(counts_ptr + key, 1, mask=valid)
     tl.store(row_pos_ptr + rows, pos, mask=valid)
 
@@ -254,13 +254,13 @@ def _tile_starts_kernel(counts_ptr, tile_start_ptr, num_keys, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _scatter_rows_kernel(token_slots_ptr, topk_ids_ptr, tile_start_ptr, row_pos_ptr, sorted_rows_ptr, tile_key_ptr,
+def _scatter_rows_kernel(token_lora_slots_ptr, topk_ids_ptr, tile_start_ptr, row_pos_ptr, sorted_rows_ptr, tile_key_ptr,
                          num_rows, K, E, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """Semantics: for each flat row with w >= 0, key = w*E + e, p = tile_start[key]*BLOCK_M + row_pos[row]:
     sorted_rows[p] = row; tile_key[p // BLOCK_M] = key (written by the row that opens the tile).
     sorted_rows and tile_key must start at -1."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    key, valid = _row_keys(rows, token_slots_ptr, topk_ids_ptr, num_rows, K, E)
+    key, valid = _row_keys(rows, token_lora_slots_ptr, topk_ids_ptr, num_rows, K, E)
     pos = tl.load(row_pos_ptr + rows, mask=valid, other=0)
     p = tl.load(tile_start_ptr + key, mask=valid, other=0) * BLOCK_M + pos
     tl.store(sorted_rows_ptr + p, rows, mask=valid)
@@ -278,9 +278,9 @@ def _group_rows(topk_ids: torch.Tensor, lora: MoELoRAStep, block_m: int) -> int:
     ws.tile_key[:tiles].fill_(-1)
     grid = (triton.cdiv(num_rows, _SORT_BLOCK),)
     k, e = topk_ids.shape[1], ws.num_experts
-    _count_rows_kernel[grid](lora.token_slots, topk_ids, ws.counts, ws.row_pos, num_rows, k, e, BLOCK=_SORT_BLOCK)
+    _count_rows_kernel[grid](lora.token_lora_slots, topk_ids, ws.counts, ws.row_pos, num_rows, k, e, BLOCK=_SORT_BLOCK)
     _tile_starts_kernel[(1,)](ws.counts, ws.tile_start, num_keys, BLOCK_M=block_m, CHUNK=1024)
-    _scatter_rows_kernel[grid](lora.token_slots, topk_ids, ws.tile_start, ws.row_pos, ws.sorted_rows, ws.tile_key,
+    _scatter_rows_kernel[grid](lora.token_lora_slots, topk_ids, ws.tile_start, ws.row_pos, ws.sorted_rows, ws.tile_key,
                                num_rows, k, e, BLOCK_M=block_m, BLOCK=_SORT_BLOCK)
     return tiles
 
@@ -293,7 +293,7 @@ def _grouped_block_m(num_rows: int, num_experts: int) -> int:
 def _layout(topk_ids: torch.Tensor, lora: MoELoRAStep, grouped: bool | None) -> tuple[dict, int]:
     """(the kernels' row-layout arguments, number of tiles of the grid's first axis)."""
     ws, num_rows = lora.workspace, topk_ids.numel()
-    assert topk_ids.is_contiguous() and topk_ids.shape[0] == lora.token_slots.shape[0]
+    assert topk_ids.is_contiguous() and topk_ids.shape[0] == lora.token_lora_slots.shape[0]
     assert num_rows <= ws.xa.shape[0], f"{num_rows} MoE rows exceed the workspace's {ws.xa.shape[0]}"
     assert lora.max_rank > 0, "max_rank 0: skip the MoE-LoRA hooks when no slot of the step is adapted"
     assert lora.weights.down_a.shape[2] == ws.max_rank, "the workspace's max_rank must be the slots' R"
@@ -328,7 +328,7 @@ def _shrink(src, a, topk_ids, lora: MoELoRAStep, layout: dict, tiles: int, gate_
     assert src.stride(1) == 1 and a.stride(3) == 1
     grid = (tiles, num_slices, triton.cdiv(lora.max_rank, cfg["BLOCK_R"]))
     _shrink_kernel[grid](
-        src, a, ws.xa, lora.token_slots, topk_ids, lora.ranks, w.shared_outer, ws.sorted_rows, ws.tile_key,
+        src, a, ws.xa, lora.token_lora_slots, topk_ids, lora.ranks, w.shared_outer, ws.sorted_rows, ws.tile_key,
         in_dim, topk_ids.shape[1], ws.num_experts, src.stride(0), a.stride(0), a.stride(1), a.stride(2),
         ws.xa.stride(0), w.shared_outer.stride(0),
         GATE_UP=gate_up, MAX_RANK=ws.max_rank, **cfg, **layout, **(launch or {}))
@@ -352,7 +352,7 @@ def _expand(out, b, topk_ids, lora: MoELoRAStep, layout: dict, tiles: int, gate_
     assert out.stride(1) == 1 and b.stride(3) == 1 and w.scalings.stride(1) == 1
     grid = (tiles, triton.cdiv(out.shape[1], block_n))
     _expand_kernel[grid](
-        out, ws.xa, b, w.scalings, lora.token_slots, topk_ids, lora.ranks, w.shared_outer, ws.sorted_rows,
+        out, ws.xa, b, w.scalings, lora.token_lora_slots, topk_ids, lora.ranks, w.shared_outer, ws.sorted_rows,
         ws.tile_key, out.shape[1] // num_slices, topk_ids.shape[1], ws.num_experts, out.stride(0), ws.xa.stride(0),
         b.stride(0), b.stride(1), b.stride(2), w.scalings.stride(0), w.shared_outer.stride(0),
         GATE_UP=gate_up, NUM_SLICES=num_slices, MAX_RANK=ws.max_rank, SCALING0=scaling0, BLOCK_N=block_n,

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], weight_indices: list[int],
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], seg_lora_slots: list[int],
                 ranks: list[int], num_slices: int) -> torch.Tensor:
     """Semantics:
-        for each segment i with w = weight_indices[i] >= 0, tokens t in [seg_indptr[i], seg_indptr[i+1]):
+        for each segment i with w = seg_lora_slots[i] >= 0, tokens t in [seg_indptr[i], seg_indptr[i+1]):
             for each slice s, r < min(ranks[w], R):
                 xa[t, s*R + r] = sum_k x[t, k] * a[w, s*R + r, k]
         every other entry of xa is 0 (base-only segments, and ranks past the adapter's own). R = a's rows per
@@ -23,7 +23,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], weight_
     """
     max_rank = a.shape[1] // num_slices
     xa = x.new_zeros(x.shape[0], a.shape[1])
-    for i, w in enumerate(weight_indices):
+    for i, w in enumerate(seg_lora_slots):
         if w < 0:
             continue
         lo, hi, r = seg_indptr[i], seg_indptr[i + 1], min(ranks[w], max_rank)
@@ -34,10 +34,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], weight_
 
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: list[int],
-                weight_indices: list[int], ranks: list[int], scalings: torch.Tensor,
+                seg_lora_slots: list[int], ranks: list[int], scalings: torch.Tensor,
                 slice_offsets: list[int]) -> None:
     """Semantics (in place on y):
-        for each segment i with w = weight_indices[i] >= 0, tokens t in [seg_indptr[i], seg_indptr[i+1]):
+        for each segment i with w = seg_lora_slots[i] >= 0, tokens t in [seg_indptr[i], seg_indptr[i+1]):
             for each slice s, output column o in [slice_offsets[s], slice_offsets[s+1]):
                 y[t, o] += scalings[w, s] * sum_{r < ranks[w]} xa[t, s*R + r] * b[w, o, r]
 
@@ -45,7 +45,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
     scalings: [num_slots, num_slices] float32
     """
     max_rank = b.shape[2]
-    for i, w in enumerate(weight_indices):
+    for i, w in enumerate(seg_lora_slots):
         if w < 0:
             continue
         lo, hi, r = seg_indptr[i], seg_indptr[i + 1], ranks[w]
@@ -56,13 +56,13 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Semantics: k_cache.view(-1, H, D)[slot_mapping[t]] = k[t] (same for v).
+             kv_slot_mapping: torch.Tensor) -> None:
+    """Semantics: k_cache.view(-1, H, D)[kv_slot_mapping[t]] = k[t] (same for v).
 
     k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     """
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+    k_cache.view(-1, *k_cache.shape[2:])[kv_slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[2:])[kv_slot_mapping] = v
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -192,9 +192,9 @@ class MoELoRASlots:
 
 
 def moe_lora_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, token_slots: list[int], lora: MoELoRASlots) -> torch.Tensor:
+                     topk_ids: torch.Tensor, token_lora_slots: list[int], lora: MoELoRASlots) -> torch.Tensor:
     """Semantics (moe_experts with LoRA added where PEFT adds it, inside each expert):
-        for each token t and choice j, e = topk_ids[t, j], w = token_slots[t]:
+        for each token t and choice j, e = topk_ids[t, j], w = token_lora_slots[t]:
             h = x[t] @ gate_up[e].T                                                   # [2 * I]
             if w >= 0, for slice s in (gate 0, up 1), r = ranks[w][s], ea = 0 if shared_outer[w] else e:
                 h[s*I:(s+1)*I] = round(h[s*I:(s+1)*I] + scalings[w, s] *
@@ -211,9 +211,9 @@ def moe_lora_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     order, each adding its tokens' rows. Data-dependent shapes: eager only, never inside a CUDA graph.
 
     x: [num_tokens, hidden]; gate_up: [E, 2 * I, hidden]; down: [E, hidden, I]; topk_weights: [num_tokens,
-    top_k] float32; topk_ids: [num_tokens, top_k]; token_slots: [num_tokens] -> out: [num_tokens, hidden]
+    top_k] float32; topk_ids: [num_tokens, top_k]; token_lora_slots: [num_tokens] -> out: [num_tokens, hidden]
     """
-    slots = torch.tensor(token_slots, dtype=torch.long, device=x.device)     # [num_tokens]
+    slots = torch.tensor(token_lora_slots, dtype=torch.long, device=x.device)     # [num_tokens]
     shared_xa = _shared_outer_shrink(x, slots, lora)                         # [num_tokens, 2 * R] float32
     out = torch.zeros_like(x)
     for e in topk_ids.unique().tolist():                                     # ascending
@@ -274,17 +274,17 @@ def _moe_lora_down(y: torch.Tensor, g: torch.Tensor, slots: torch.Tensor, e: int
     return (y.float() + delta).to(y.dtype)
 
 
-def moe_lora_gate_up_flat(h: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, token_slots: list[int],
+def moe_lora_gate_up_flat(h: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, token_lora_slots: list[int],
                           lora: MoELoRASlots) -> torch.Tensor:
     """Semantics of kernels/moe_lora.add_gate_up_lora, on rows flat by (token, choice):
-        for row = t*K + j, e = topk_ids[t, j], w = token_slots[t] >= 0:
+        for row = t*K + j, e = topk_ids[t, j], w = token_lora_slots[t] >= 0:
             h[row] = _moe_lora_gate_up's row for expert e (x[t]'s gate and up deltas, shared-outer xa once per token)
     Rows with w = -1 come back bitwise unchanged.
 
     h: [T*K, 2 * I]; x: [T, hidden]; topk_ids: [T, K] -> h with the deltas added (h's dtype)
     """
     k = topk_ids.shape[1]
-    slots = torch.tensor(token_slots, dtype=torch.long, device=x.device)     # [T]
+    slots = torch.tensor(token_lora_slots, dtype=torch.long, device=x.device)     # [T]
     shared_xa = _shared_outer_shrink(x, slots, lora)                         # [T, 2 * R] float32
     tokens = torch.arange(h.shape[0], device=x.device) // k                  # [T*K]
     experts = topk_ids.reshape(-1)                                           # [T*K]
@@ -296,17 +296,17 @@ def moe_lora_gate_up_flat(h: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tens
     return out
 
 
-def moe_lora_down_flat(y: torch.Tensor, act: torch.Tensor, topk_ids: torch.Tensor, token_slots: list[int],
+def moe_lora_down_flat(y: torch.Tensor, act: torch.Tensor, topk_ids: torch.Tensor, token_lora_slots: list[int],
                        lora: MoELoRASlots) -> torch.Tensor:
     """Semantics of kernels/moe_lora.add_down_lora, on rows flat by (token, choice):
-        for row = t*K + j, e = topk_ids[t, j], w = token_slots[t] >= 0:
+        for row = t*K + j, e = topk_ids[t, j], w = token_lora_slots[t] >= 0:
             y[row] = _moe_lora_down's row for expert e (act[row]'s down delta)
     Rows with w = -1 come back bitwise unchanged.
 
     y: [T*K, hidden] (before the routing weights); act: [T*K, I]; topk_ids: [T, K] -> y with the deltas added
     """
     k = topk_ids.shape[1]
-    slots = torch.tensor(token_slots, dtype=torch.long, device=y.device).repeat_interleave(k)   # [T*K]
+    slots = torch.tensor(token_lora_slots, dtype=torch.long, device=y.device).repeat_interleave(k)   # [T*K]
     experts = topk_ids.reshape(-1)                                                               # [T*K]
     out = y.clone()
     for e in experts.unique().tolist():

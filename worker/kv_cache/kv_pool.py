@@ -6,7 +6,7 @@ import logging
 import torch
 
 from worker.config import CacheConfig
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 

@@ -34,13 +34,13 @@ class Attention(nn.Module):
             # q_norm and k_norm share the model's rms_norm_eps (models/llama.py): the kernel takes one eps
             norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
             rotary_store_kv(batch.positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
-                            batch.slot_mapping, qkv_delta, programmatic_launch=pdl, qk_norm=norms)
+                            batch.kv_slot_mapping, qkv_delta, programmatic_launch=pdl, qk_norm=norms)
             return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                                    self.scale, batch.num_seqs, batch.max_query_len, programmatic_launch=pdl)
         assert qkv_delta is None, "deferred LoRA deltas exist on CUDA only"
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
         self.rotary(batch.positions, q, k)
-        reference.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        reference.store_kv(k, v, k_cache, v_cache, batch.kv_slot_mapping)
         return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,
                                          batch.seq_lens_host, self.scale)

@@ -1,6 +1,6 @@
 """KernelChoices: WorkerConfig.kernels resolved for one device, held by the layers that launch kernels.
 
-models/registry.build_model resolves it once, before any CUDA-graph capture, and hands it to every layer it
+models/builder.build_model resolves it once, before any CUDA-graph capture, and hands it to every layer it
 builds; no layer reads a global or has its choices written onto it afterwards. On the CPU everything is off:
 the layers run the torch references (kernels/reference.py) and need no Triton.
 """

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.batch import LoRABatchInfo, LoRAWeights
+from worker.batch import LoRABatchInfo
+from worker.lora.weights import LoRAWeights
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.kernels import reference
 from worker.layers.kernel_choices import KernelChoices
@@ -52,7 +53,7 @@ class PendingExpand:
         """fused.silu_and_mul(y + this gate_up projection's LoRA delta): [T, 2I] -> [T, I]."""
         from worker.kernels.lora_expand import lora_expand_silu_mul
         w, info = self.lora, self.info
-        return lora_expand_silu_mul(y, self.xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+        return lora_expand_silu_mul(y, self.xa, w.b, info.seg_indptr, info.seg_lora_slots, info.ranks, w.scalings,
                                     info.tile_map)
 
 
@@ -65,7 +66,7 @@ class Linear(nn.Module):
     x @ W_shard^T is a partial sum, and the LoRA expand (A sliced like W's columns, B whole) adds into it before the
     one all-reduce, so the sum over ranks applies each adapter's scaling once; the bias is added on rank 0 only. A
     row-parallel projection built with reduce_results=False returns the partial sum for its caller to reduce
-    (Qwen2-MoE's shared expert, summed into the MoE block's one all-reduce: layers/moe.py).
+    (Qwen2-MoE's shared expert, summed into the MoE block's one all-reduce: layers/sparse_moe.py).
 
     Fully sharded LoRA (`shard_lora_fully`, S-LoRA's scheme; vLLM's --fully-sharded-loras), one more collective
     per projection over `lora_tp` for a smaller share of every adapter on each rank. Column-parallel: A's rank
@@ -196,10 +197,10 @@ class Linear(nn.Module):
             return self._forward_lora_cuda(x, lora_info, defer=False, bias=bias)[0]
         y = F.linear(x, self.weight, bias)
         w, info = self.lora, lora_info
-        xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.weight_indices_host,
+        xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.seg_lora_slots_host,
                                    info.ranks_host, w.num_slices)
         reference.lora_expand(self._lora_rows(y), self._whole_xa(xa), w.b, info.seg_indptr_host,
-                              info.weight_indices_host, info.ranks_host, w.scalings, w.slice_offsets)
+                              info.seg_lora_slots_host, info.ranks_host, w.scalings, w.slice_offsets)
         return y
 
     def _whole_xa(self, xa: torch.Tensor) -> torch.Tensor:
@@ -279,11 +280,11 @@ class Linear(nn.Module):
             side.wait_stream(torch.cuda.current_stream(x.device))
         delta = None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            xa = shrink.lora_shrink(x, w.a, info.seg_indptr, info.weight_indices, info.ranks, w.num_slices,
+            xa = shrink.lora_shrink(x, w.a, info.seg_indptr, info.seg_lora_slots, info.ranks, w.num_slices,
                                     info.num_segments, info.max_seg_len, **shrink_kw)
             if defer:
                 delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
-                expand.lora_expand(delta, xa, w.b, info.seg_indptr, info.weight_indices, info.ranks, w.scalings,
+                expand.lora_expand(delta, xa, w.b, info.seg_indptr, info.seg_lora_slots, info.ranks, w.scalings,
                                    w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False,
                                    **expand_kw)
         y = project(x, self.weight, bias, self.kernels, beside_lora=side is not None)
@@ -292,7 +293,7 @@ class Linear(nn.Module):
         if pending:
             return y, PendingExpand(xa, w, info)
         if not defer:
-            expand.lora_expand(self._lora_rows(y), self._whole_xa(xa), w.b, info.seg_indptr, info.weight_indices,
+            expand.lora_expand(self._lora_rows(y), self._whole_xa(xa), w.b, info.seg_indptr, info.seg_lora_slots,
                                info.ranks, w.scalings, w.slice_offsets, info.num_segments, info.max_seg_len,
                                **expand_kw)
         return y, delta

@@ -19,7 +19,7 @@ from worker.lora.moe_adapter import (EXPERT_TARGETS, MOE_KEY, SHARED_EXPERT_TARG
                                      expert_coverage, shared_expert_shapes, split_expert_tensors)
 from worker.lora.peft_config import module_scaling, read_config
 from worker.lora.safetensors_file import read_data, read_header, tensor_bytes, tensor_file
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TARGET_ORDER = SUPPORTED_TARGETS + SHARED_EXPERT_TARGETS + EXPERT_TARGETS
@@ -43,7 +43,7 @@ class AdapterSpec:
 class ModuleBytes:
     """One module's weights as raw bytes in the serving dtype, row-major."""
     a: torch.Tensor          # [rows * in_features * itemsize] uint8: lora_A [rank, in_features] (fully sharded:
-                             # a rank's share of the slot's rows, distributed/adapter_shards.py)
+                             # a rank's share of the slot's rows, lora/shards.py)
     b: torch.Tensor          # [out_features * rank * itemsize] uint8: lora_B [out_features, rank]
     rank: int
     in_features: int

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.batch import MoELoRAWeights
+from worker.lora.weights import MoELoRAWeights
 from worker.lora.formats import ExpertLayerLoRA, ExpertMatrix, materialise
 
 ALIGN = 256         # bytes; as the dense regions

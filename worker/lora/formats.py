@@ -78,7 +78,7 @@ class ExpertMatrix:
       "peft_b":     one [total, cols*n] tensor; expert e is rows row_offset:row_offset+rows, columns e::n
       "stacked":    one [n, rows, cols] tensor
       "per_expert": one [rows, cols] tensor per expert (None: that expert is not adapted, zeros)
-    `part` (tensor parallelism, distributed/adapter_shards.py): (dim, start, length), the rows (dim 1) or columns
+    `part` (tensor parallelism, lora/shards.py): (dim, start, length), the rows (dim 1) or columns
     (dim 2) of the assembled [n, rows, cols] that one rank keeps; None: all of it. `shape` stays the stored one.
     """
     shape: tuple[int, int, int]

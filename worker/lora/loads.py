@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from worker.lora.adapter import AdapterSpec
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.lora.host_cache import HostAdapter, HostCache
-from worker.lora.loader import AdapterLoader
+from worker.lora.reader import AdapterReader
 from worker.lora.registry import AdapterRegistry
 from worker.lora.slot_table import SlotTable
 from worker.request import AdapterRef
@@ -35,7 +35,7 @@ class FailedLoad:
 
 
 class AdapterLoads:
-    def __init__(self, loader: AdapterLoader, host_cache: HostCache, pool: GPULoRAPool, slots: SlotTable,
+    def __init__(self, loader: AdapterReader, host_cache: HostCache, pool: GPULoRAPool, slots: SlotTable,
                  registry: AdapterRegistry, on_load: Callable[[AdapterRef, AdapterSpec, int, int], None] | None = None):
         self.loader, self.host_cache, self.pool = loader, host_cache, pool
         self.on_load = on_load        # (ref, spec, slot, rank) of each copy issued: the other tensor-parallel ranks'

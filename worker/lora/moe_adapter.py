@@ -12,7 +12,7 @@ import re
 
 from worker.lora.errors import AdapterError
 from worker.lora.formats import ExpertLayerLoRA, ExpertShape, StoredTensor, detect_expert_formats
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 SHARED_EXPERT_TARGETS = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 # the names AdapterSpec.target_modules (GET /v1/adapters) gives the experts' projections, whatever the format

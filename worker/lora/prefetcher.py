@@ -16,7 +16,7 @@ from worker.lora.slot_table import SlotTable
 from worker.request import AdapterRef, Request
 
 if TYPE_CHECKING:   # the loader reads files on threads; the scheduler's imports stay bookkeeping alone
-    from worker.lora.loader import AdapterLoader
+    from worker.lora.reader import AdapterReader
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Prefetcher:
     """Looks at the first `window` distinct adapters of the queue; keeps at most `max_reads` disk
     reads in flight."""
 
-    def __init__(self, slots: SlotTable, host: HostCache, loader: AdapterLoader, window: int, max_reads: int):
+    def __init__(self, slots: SlotTable, host: HostCache, loader: AdapterReader, window: int, max_reads: int):
         self.slots, self.host, self.loader = slots, host, loader
         self.window, self.max_reads = window, max_reads
 

@@ -15,9 +15,9 @@ from worker.config import LoRAConfig
 from worker.ipc.messages import AdapterState, LoRAStats, LoRATierStats
 from worker.lora.adapter import AdapterError, AdapterSpec, inspect_adapter
 from worker.lora.host_cache import HostCache
-from worker.lora.loader import AdapterLoader
+from worker.lora.reader import AdapterReader
 from worker.lora.slot_table import SlotTable
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 from worker.request import AdapterRef
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class TierCounters:
 
 class AdapterRegistry:
     def __init__(self, config: LoRAConfig, arch: ArchConfig, slots: SlotTable, host_cache: HostCache,
-                 loader: AdapterLoader):
+                 loader: AdapterReader):
         self.config, self.arch = config, arch
         self.slots, self.host_cache, self.loader = slots, host_cache, loader
         self.refs: dict[str, AdapterRef] = {}                 # registered name -> current version

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.batch import LoRAWeights, MoELoRAWeights
+from worker.lora.weights import LoRAWeights, MoELoRAWeights
 from worker.lora.adapter import (AdapterBytes, AdapterError, AdapterSource, AdapterSpec, ModuleBytes, ModuleSource,
                                  locate_adapter, read_adapter)
 from worker.lora.expert_layout import expert_layer_reads, expert_regions, expert_views, pack_expert_layer
 from worker.lora.file_reads import read_in_parts
 from worker.lora.host_cache import HostAdapter
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 _ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
 
@@ -198,7 +198,7 @@ class SlotLayout:
 
 def _a_bytes(m: ModuleBytes | ModuleSource) -> int:
     """lora_A's bytes: the tensor's (its rank's rows, or a fully sharded rank's share of the slot's rows,
-    distributed/adapter_shards.py), or the file range's (read in the slots' dtype only)."""
+    lora/shards.py), or the file range's (read in the slots' dtype only)."""
     return m.a.numel() if isinstance(m.a, torch.Tensor) else m.a[1] - m.a[0]
 
 
@@ -221,7 +221,7 @@ class PackedReader:
     (SlotLayout.read_packed), else read, converted and packed. With `read_threads` > 1 the file reads
     of one adapter are split across that many threads of the reader's own pool.
     `shard`: a model sharded over tensor-parallel ranks; each adapter is then read whole and cut to this rank's
-    share (distributed/adapter_shards.py) before it is packed."""
+    share (lora/shards.py) before it is packed."""
 
     def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool, read_threads: int = 1,
                  shard: nn.Module | None = None):
@@ -233,7 +233,7 @@ class PackedReader:
 
     def __call__(self, spec: AdapterSpec) -> HostAdapter:
         if self.shard is not None:
-            from worker.distributed.adapter_shards import shard_adapter
+            from worker.lora.shards import shard_adapter
             adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
             return HostAdapter(self.layout.pack(shard_adapter(self.shard, adapter), self.pin), adapter.spec.rank)
         source = locate_adapter(spec.name, spec.path, self.arch, self.layout.max_rank)

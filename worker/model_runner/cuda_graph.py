@@ -3,7 +3,7 @@
 Decode batches replay a graph per batch-size bucket. Batches with prefill tokens (prefills, chunked
 prefills and the decodes running beside them) replay a graph per token-count bucket, padded to its token
 count and to min(max_num_seqs, tokens) sequences: the attention and LoRA kernels of such batches launch
-one program per row tile that exists (kernels/tiles.py), so a graph fixes only the two counts and serves
+one program per row tile that exists (kernels/row_tiles.py), so a graph fixes only the two counts and serves
 any split of its tokens into sequences and adapter segments. Batches past the largest token bucket, and
 those that want prompt logprobs, run eagerly.
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from worker.batch import ForwardBatch, LoRABatchInfo, ScheduledBatch
-from worker.kernels.tile_map import TILE_ROWS, host_tile_map, max_tiles
+from worker.kernels.row_tiles_host import TILE_ROWS, host_tile_map, max_tiles
 
 
 @dataclass(slots=True)
@@ -55,7 +55,7 @@ def _pad_mixed(rows: _HostRows, num_tokens: int, num_seqs: int) -> None:
     LoRA segment (id 0, position 0, no K/V written), sequences past the real ones have no new tokens and an
     empty context, and the sampled rows are padded with row 0 to one per sequence. With LoRA segments past
     the real ones empty (InputBuilder._build_lora) and num_seqs, max_query_len and the LoRA grid bounds the
-    padded counts, the kernels' grids depend on (tokens, seqs) alone (kernels/tiles.py). No prompt logprobs."""
+    padded counts, the kernels' grids depend on (tokens, seqs) alone (kernels/row_tiles.py). No prompt logprobs."""
     assert not rows.prompt_idx, "mixed-batch graphs compute no prompt logprobs"
     assert rows.qsl[-1] <= num_tokens and len(rows.lens) <= num_seqs
     pad = num_tokens - len(rows.ids)
@@ -75,10 +75,10 @@ class InputBuilder:
         pin = device.type == "cuda"
         i32, i64 = torch.int32, torch.int64
         shapes = {"input_ids": ([max_num_tokens], i64), "positions": ([max_num_tokens], i64),
-                  "slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
+                  "kv_slot_mapping": ([max_num_tokens], i64), "query_start_loc": ([max_num_seqs + 1], i32),
                   "seq_lens": ([max_num_seqs], i32), "block_tables": ([max_num_seqs, max_blocks_per_seq], i32),
                   "logits_indices": ([max_num_tokens], i64), "seg_indptr": ([max_num_tokens + 1], i32),
-                  "weight_indices": ([max_num_tokens], i32), "token_slots": ([max_num_tokens], i32),
+                  "seg_lora_slots": ([max_num_tokens], i32), "token_lora_slots": ([max_num_tokens], i32),
                   "pending_dst": ([max_num_seqs], i64), "pending_src": ([max_num_seqs], i64),
                   "tile_map": ([2 * max_tiles(max(max_num_tokens, max_num_seqs), max_num_seqs + 1, TILE_ROWS)], i32)}
         # all fields are views of one byte buffer per side, so a step's inputs go over in one copy
@@ -145,7 +145,7 @@ class InputBuilder:
 
     def _write_host(self, rows: _HostRows) -> None:
         h = self._host_np[self._current]      # numpy views: list -> buffer writes without torch.tensor()
-        for name, values in (("input_ids", rows.ids), ("positions", rows.pos), ("slot_mapping", rows.slots),
+        for name, values in (("input_ids", rows.ids), ("positions", rows.pos), ("kv_slot_mapping", rows.slots),
                              ("query_start_loc", rows.qsl), ("seq_lens", rows.lens),
                              ("logits_indices", rows.prompt_idx + rows.sample_idx), ("pending_dst", rows.pending_dst),
                              ("pending_src", rows.pending_src)):
@@ -165,7 +165,7 @@ class InputBuilder:
         return ForwardBatch(
             num_tokens=n_tok, num_seqs=n_seq, max_query_len=max_query_len,
             input_ids=d["input_ids"][:n_tok], positions=d["positions"][:n_tok],
-            slot_mapping=d["slot_mapping"][:n_tok], query_start_loc=d["query_start_loc"][:n_seq + 1],
+            kv_slot_mapping=d["kv_slot_mapping"][:n_tok], query_start_loc=d["query_start_loc"][:n_seq + 1],
             seq_lens=d["seq_lens"][:n_seq], block_tables=d["block_tables"][:n_seq],
             logits_indices=d["logits_indices"][:num_logits], lora=lora_info,
             sample_rows=list(range(len(rows.prompt_idx), num_logits)), prompt_rows=rows.prompt_rows,
@@ -180,10 +180,10 @@ class InputBuilder:
                     mixed_pad: tuple[int, int] | None, num_tokens: int, grouped: bool = False) -> LoRABatchInfo | None:
         """Merge consecutive sequences of the same slot into segments (not when padding for a decode graph;
         a mixed graph's padding adds empty segments up to its sequence count), and give each of the
-        `num_tokens` token rows its slot (the MoE-LoRA kernels' token_slots; padding rows -1).
+        `num_tokens` token rows its slot (the MoE-LoRA kernels' token_lora_slots; padding rows -1).
 
         Slots [a, a, -1, b] with new-token counts [3, 1, 2, 2] give seg_indptr [0, 4, 6, 8], weights [a, -1, b],
-        token_slots [a, a, a, a, -1, -1, b, b] (and -1 for each padding row after them).
+        token_lora_slots [a, a, a, a, -1, -1, b, b] (and -1 for each padding row after them).
         """
         if grouped and pad_to is not None:
             indptr, weights, max_seg_len = self._grouped_segments(batch, pad_to)
@@ -211,22 +211,22 @@ class InputBuilder:
             return None
         h = self._host_np[self._current]
         h["seg_indptr"][:len(indptr)] = indptr
-        h["weight_indices"][:len(weights)] = weights
-        token_slots = [w for w, lo, hi in zip(weights, indptr, indptr[1:]) for _ in range(hi - lo)]
-        token_slots += [-1] * (num_tokens - len(token_slots))
-        h["token_slots"][:num_tokens] = token_slots
+        h["seg_lora_slots"][:len(weights)] = weights
+        token_lora_slots = [w for w, lo, hi in zip(weights, indptr, indptr[1:]) for _ in range(hi - lo)]
+        token_lora_slots += [-1] * (num_tokens - len(token_lora_slots))
+        h["token_lora_slots"][:num_tokens] = token_lora_slots
         tile_map = None
         if grouped:
             num_tiles = max_tiles(pad_to or mixed_pad[0], len(weights), TILE_ROWS)
             h["tile_map"][:2 * num_tiles] = host_tile_map(indptr, TILE_ROWS, num_tiles)
             tile_map = self.dev["tile_map"][:2 * num_tiles]
         return LoRABatchInfo(num_segments=len(weights), seg_indptr=self.dev["seg_indptr"][:len(indptr)],
-                             weight_indices=self.dev["weight_indices"][:len(weights)], ranks=self.lora_ranks,
+                             seg_lora_slots=self.dev["seg_lora_slots"][:len(weights)], ranks=self.lora_ranks,
                              max_rank=max_rank, max_seg_len=max_seg_len,
-                             token_slots=self.dev["token_slots"][:num_tokens], overlap=pad_to is not None,
+                             token_lora_slots=self.dev["token_lora_slots"][:num_tokens], overlap=pad_to is not None,
                              tile_map=tile_map,
-                             seg_indptr_host=indptr, weight_indices_host=weights, ranks_host=list(ranks),
-                             token_slots_host=token_slots)
+                             seg_indptr_host=indptr, seg_lora_slots_host=weights, ranks_host=list(ranks),
+                             token_lora_slots_host=token_lora_slots)
 
     def grouped_segments(self, num_seqs: int) -> int:
         """The segment count of a grouped decode graph of `num_seqs` sequences: every slot's run, the base

@@ -7,28 +7,33 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
-from worker.distributed.adapter_shards import shard_loras_fully
+from worker.lora.shards import shard_loras_fully
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks
-from worker.layers.moe import SparseMoE
+from worker.layers.sparse_moe import SparseMoE
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
 from worker.model_runner.memory_plan import GRAPH_ALLOWANCE_BYTES, MemoryLimits, MemoryPlan, plan_memory
 from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow, compute_logprobs
-from worker.models.hf_config import ArchConfig
-from worker.models.registry import build_model
+from worker.arch import ArchConfig
+from worker.models.builder import build_model
 from worker.request import Request
 
-if TYPE_CHECKING:
-    from worker.distributed.group import FollowerRanks
+
+
+class StepFollowers(Protocol):
+    """The other ranks of a tensor-parallel group as rank 0's runner sees them (ranks/group.py's FollowerRanks):
+    told of each step before it is enqueued."""
+
+    def step(self, batch: ScheduledBatch) -> None: ...
 
 logger = logging.getLogger(__name__)
 STEP_LOG_INTERVAL_S = float(os.environ.get("LORAPLEX_STEP_LOG_S", 60.0))   # benchmarks of runs under a minute set it
@@ -118,10 +123,10 @@ def profile_lengths(tokens: int, max_seqs: int, max_model_len: int) -> list[int]
 class ModelRunner:
     """Tensor parallelism: every rank has a runner over its share of the model (`tp`); their steps run the same
     forward passes, whose collectives meet. Rank 0's runner announces each step to the other ranks first
-    (`followers`, distributed/group.py), samples alone and broadcasts the sampled ids; the others `follow`."""
+    (`followers`, ranks/group.py), samples alone and broadcasts the sampled ids; the others `follow`."""
 
     def __init__(self, config: WorkerConfig, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, tp: TensorParallel = SINGLE, followers: "FollowerRanks | None" = None):
+                 max_model_len: int, tp: TensorParallel = SINGLE, followers: StepFollowers | None = None):
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.tp, self.followers = tp, followers
         self.plan: MemoryPlan | None = None     # None when the configuration fixes the KV pool's size
@@ -171,7 +176,7 @@ class ModelRunner:
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs (and their memory pool) before this rank leaves its process group: NCCL's
-        communicator shutdown waits while graphs that captured its collectives exist (distributed/group.py)."""
+        communicator shutdown waits while graphs that captured its collectives exist (ranks/group.py)."""
         if self.graph_runner is not None:
             self.graph_runner = None
             gc.collect()
@@ -183,9 +188,9 @@ class ModelRunner:
         return config.kernels.grouped_lora_min_rows if self.lora_pool.ranks_host else 0
 
     def _attach_moe_workspaces(self, arch: ArchConfig, config: WorkerConfig) -> int:
-        """The buffers every sparse MoE layer's kernels work in (kernels/moe.py, kernels/moe_lora.py), one set
+        """The buffers every sparse MoE layer's kernels work in (kernels/fused_moe.py, kernels/moe_lora.py), one set
         shared by all layers, sized for the largest step; returns their bytes."""
-        from worker.kernels.moe import MoEWorkspace  # Triton; imported here so CPU installs need none
+        from worker.kernels.fused_moe import MoEWorkspace  # Triton; imported here so CPU installs need none
         from worker.kernels.moe_lora import MoELoRAWorkspace
         tokens, lora = config.scheduler.max_num_batched_tokens, config.lora
         shape = (tokens, arch.num_experts, arch.num_experts_per_tok)

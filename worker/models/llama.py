@@ -18,7 +18,7 @@ from worker.layers.kernel_choices import KernelChoices
 from worker.layers.linear import Linear, PendingExpand
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 
 class LlamaAttention(nn.Module):
@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """gate_up column-parallel, down row-parallel; `reduce_results=False` leaves down's output a partial sum at
-    world size > 1, for the caller to all-reduce (Qwen2-MoE's shared expert: layers/moe.py)."""
+    world size > 1, for the caller to all-reduce (Qwen2-MoE's shared expert: layers/sparse_moe.py)."""
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices, intermediate_size: int = 0,
                  tp: TensorParallel = SINGLE, reduce_results: bool = True):
@@ -85,7 +85,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Attention, then `mlp` (called as mlp(x, batch) -> (y, deferred LoRA delta or None)): a LlamaMLP or a
-    sparse MoE block (layers/moe.py)."""
+    sparse MoE block (layers/sparse_moe.py)."""
 
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices,
                  mlp: nn.Module, tp: TensorParallel = SINGLE):

@@ -1,13 +1,13 @@
 """Mixture-of-experts decoders: Qwen3-MoE, Mixtral and Qwen2-MoE (with its gated shared expert).
 
-The Llama-family decoder (models/llama.py) with a sparse MoE block (layers/moe.py) as the MLP of its sparse
+The Llama-family decoder (models/llama.py) with a sparse MoE block (layers/sparse_moe.py) as the MLP of its sparse
 layers; layers the config keeps dense (`mlp_only_layers`, `decoder_sparse_step`) get a LlamaMLP. LoRA covers the
 attention projections, the dense layers' MLPs, Qwen2-MoE's shared expert (all as Linear slot regions) and the
 experts of every sparse layer (`SparseMoE.lora`, the slot's expert regions: lora/expert_layout.py).
 
 Tensor parallelism (`tp`): attention and dense MLPs as in models/llama.py; a sparse block's experts hold this
 rank's share of the expert intermediate size, its shared expert is column-/row-parallel like a LlamaMLP, its
-router and shared-expert gate stay whole, and the block ends in one all-reduce (layers/moe.py).
+router and shared-expert gate stay whole, and the block ends in one all-reduce (layers/sparse_moe.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from worker.layers.kernel_choices import KernelChoices
 from worker.layers.linear import Linear
-from worker.layers.moe import SparseMoE
+from worker.layers.sparse_moe import SparseMoE
 from worker.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -58,7 +58,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     @property
     def moe_intermediate_size_per_rank(self) -> int:
         """The expert intermediate size this rank holds (moe_intermediate_size / world size): what the Triton
-        path's MoEWorkspace (kernels/moe.py) must be sized with."""
+        path's MoEWorkspace (kernels/fused_moe.py) must be sized with."""
         return self.tp.split(self.cfg.moe_intermediate_size, "MoE intermediate size")[1]
 
     def moe_block(self, layer: int) -> SparseMoE:

@@ -43,7 +43,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Fill every parameter of `model` from the checkpoint; q/k/v and gate/up go into fused slices. A module with
     `load_shard` (Linear, the vocab-parallel embedding and LM head, the fused experts) is handed the whole checkpoint
     tensor and copies its share: this rank's shard under tensor parallelism (layers/linear.py, layers/embedding.py,
-    layers/moe.py); per-expert matrices go through FusedExperts.load_expert, which keeps the share too."""
+    layers/sparse_moe.py); per-expert matrices go through FusedExperts.load_expert, which keeps the share too."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     expert_parts: Counter[str] = Counter()       # fused expert parameter -> per-expert matrices loaded

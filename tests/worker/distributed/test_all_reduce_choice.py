@@ -60,7 +60,7 @@ def test_all_reduce_refuses_an_unknown_kernel_before_touching_the_group():
 def test_joining_a_gloo_group_with_the_triton_kernel_imports_no_triton():
     """Both ranks of a CPU group, each a fresh interpreter: join_group returns the plain group (no fast
     all-reduce) and neither Triton nor symmetric memory is imported."""
-    code = ("import sys, torch; from worker.distributed.group import join_group; "
+    code = ("import sys, torch; from worker.ranks.group import join_group; "
             "tp = join_group({rank}, 2, 'tcp://127.0.0.1:{port}', torch.device('cpu'), 4 << 20, 'triton'); "
             "assert tp.fast_all_reduce is None; torch.distributed.destroy_process_group(); "
             "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', "

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from worker.distributed import group
+from worker.ranks import group
 
 
 def test_leave_group_destroys_the_group(monkeypatch):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 
 from worker.batch import ScheduledBatch, ScheduledSeq
-from worker.distributed.step_mirror import StepDecoder, StepEncoder
+from worker.ranks.step_mirror import StepDecoder, StepEncoder
 from worker.ipc.messages import SamplingParams
 from worker.request import Request, RequestStatus
 

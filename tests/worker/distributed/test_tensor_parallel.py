@@ -89,7 +89,7 @@ def test_fully_sharded_lora_holds_a_smaller_share_of_each_adapter(hf_models):
 
 
 def test_fully_sharded_lora_refuses_a_rank_the_ranks_do_not_divide(hf_models):
-    from worker.distributed.adapter_shards import shard_loras_fully
+    from worker.lora.shards import shard_loras_fully
     model = build_model(Case(str(hf_models["llama"]), "auto", (), ()), TensorParallel(rank=0, world_size=4))
     with pytest.raises(ValueError, match=r"max_lora_rank with fully sharded LoRA \(6\) must be divisible by tensor parallel size \(4\)"):
         shard_loras_fully(model, 6)

@@ -124,7 +124,7 @@ def test_tp2_load_inplace_reaches_the_follower(both, hf_models):
 
 def test_a_dead_follower_is_reported(both, monkeypatch):
     reported = []
-    monkeypatch.setattr("worker.distributed.group._exit_process", reported.append)
+    monkeypatch.setattr("worker.ranks.group._exit_process", reported.append)
     _, tp2 = both
     engine = tp2()
     engine.followers._procs[0].kill()

@@ -18,13 +18,13 @@ from safetensors.torch import load_file, save_file
 from tests.moe_fixtures import HandExpertAdapter, PeftExpertAdapter, save_hand_expert_adapter, save_peft_expert_adapter
 from tests.worker.distributed.test_tensor_parallel import assert_matches_tp1
 from tests.worker.distributed.tp_ranks import MAX_RANK, Case, build_model, forward_batch, model_logits
-from worker.distributed.adapter_shards import shard_adapter
+from worker.lora.shards import shard_adapter
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.lora.adapter import locate_adapter, read_adapter
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.lora.moe_adapter import expert_shape
 from worker.lora.slot_layout import SlotLayout
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 HAND_ADAPTERS = (HandExpertAdapter("per-expert", "per_expert", (3, 5, 2), experts=(0, 2, 3)),

@@ -17,14 +17,14 @@ from torch import nn
 
 from worker.batch import ForwardBatch, LoRABatchInfo
 from worker.config import KernelConfig
-from worker.distributed.adapter_shards import shard_adapter, shard_loras_fully
+from worker.lora.shards import shard_adapter, shard_loras_fully
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel, init_tensor_parallel
 from worker.layers.kernel_choices import KernelChoices
 from worker.lora.adapter import read_adapter
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.models.dummy import init_dummy_weights
-from worker.models.hf_config import ArchConfig
-from worker.models.registry import MODEL_CLASSES
+from worker.arch import ArchConfig
+from worker.models.builder import MODEL_CLASSES
 from worker.models.weight_loader import load_weights
 
 BLOCK_SIZE = 16
@@ -40,7 +40,7 @@ class Case:
     adapters: tuple[tuple[str, str], ...]   # (name, directory), loaded into slots 0, 1, ...
     rows: tuple[tuple[int, int | None], ...]
     device: str = "cpu"                # "cuda": rank r on cuda:r over NCCL, the Triton kernels (not run yet)
-    fully_sharded: bool = False        # LoRA fully sharded (distributed/adapter_shards.shard_loras_fully)
+    fully_sharded: bool = False        # LoRA fully sharded (lora/shards.shard_loras_fully)
 
 
 def free_port() -> int:
@@ -116,7 +116,7 @@ def _device(case: Case) -> torch.device:
 def forward_batch(seqs: list[tuple[list[int], int]], slots: list[int], ranks: list[int],
                   device: torch.device = torch.device("cpu")) -> ForwardBatch:
     """seqs: (new tokens, first position) per sequence, sequence i in KV blocks [2i, 2i + 1]; slots: the LoRA slot of
-    each (-1: base); logits of each sequence's last token. Segments: one per run of equal slots; token_slots (the
+    each (-1: base); logits of each sequence's last token. Segments: one per run of equal slots; token_lora_slots (the
     MoE layers' expert LoRA): each token's sequence's slot."""
     ids, pos, kv_slots, qsl, lens = [], [], [], [0], []
     for i, (tokens, start) in enumerate(seqs):
@@ -135,7 +135,7 @@ def forward_batch(seqs: list[tuple[list[int], int]], slots: list[int], ranks: li
             weights.append(slot)
             seg_indptr.append(qsl[i + 1])
     max_rank = max((ranks[w] for w in weights if w >= 0), default=0)
-    token_slots = [slot for (tokens, _), slot in zip(seqs, slots) for _ in tokens]
+    token_lora_slots = [slot for (tokens, _), slot in zip(seqs, slots) for _ in tokens]
 
     def t(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -143,10 +143,10 @@ def forward_batch(seqs: list[tuple[list[int], int]], slots: list[int], ranks: li
     i32 = torch.int32
     lora = LoRABatchInfo(len(weights), t(seg_indptr, i32), t(weights, i32), t(ranks, i32), max_rank,
                          max_seg_len=max(b - a for a, b in zip(seg_indptr, seg_indptr[1:])),
-                         token_slots=t(token_slots, i32), seg_indptr_host=seg_indptr, weight_indices_host=weights,
-                         ranks_host=list(ranks), token_slots_host=token_slots)
+                         token_lora_slots=t(token_lora_slots, i32), seg_indptr_host=seg_indptr, seg_lora_slots_host=weights,
+                         ranks_host=list(ranks), token_lora_slots_host=token_lora_slots)
     return ForwardBatch(num_tokens=len(ids), num_seqs=len(seqs), max_query_len=max(len(tokens) for tokens, _ in seqs),
-                        input_ids=t(ids), positions=t(pos), slot_mapping=t(kv_slots), query_start_loc=t(qsl, i32),
+                        input_ids=t(ids), positions=t(pos), kv_slot_mapping=t(kv_slots), query_start_loc=t(qsl, i32),
                         seq_lens=t(lens, i32), block_tables=t([[2 * i, 2 * i + 1] for i in range(len(seqs))], i32),
                         logits_indices=t(qsl[1:]) - 1, lora=lora if max_rank else None,
                         query_start_loc_host=qsl, seq_lens_host=lens)

@@ -14,7 +14,7 @@ from tests.hf_fixtures import ADAPTERS, adapter_dir
 from worker.config import LoRAConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError, read_adapter_weights
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 
 @pytest.fixture(scope="module")

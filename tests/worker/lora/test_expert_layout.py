@@ -22,8 +22,8 @@ from worker.lora.expert_layout import ALIGN
 from worker.lora.formats import read_expert_formats
 from worker.lora.safetensors_file import tensor_file
 from worker.lora.slot_layout import PackedReader, SlotLayout
-from worker.models.hf_config import ArchConfig
-from worker.models.registry import build_model
+from worker.arch import ArchConfig
+from worker.models.builder import build_model
 
 MAX_RANK = 8
 HAND = (HandExpertAdapter("per-expert", "per_expert", (3, 5, 2), experts=(1, 3)),

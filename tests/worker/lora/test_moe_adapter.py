@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from tests.moe_fixtures import SHAPE, HandExpertAdapter, save_hand_expert_adapter
 from worker.lora.adapter import AdapterError, inspect_adapter
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 PREFIX = "base_model.model.model.layers."
 

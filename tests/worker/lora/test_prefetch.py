@@ -15,7 +15,7 @@ REFS = [AdapterRef(f"a{i}", 1) for i in range(8)]
 
 
 class RecordingLoader:
-    """Stands in for AdapterLoader: remembers which reads were started; they never finish by themselves."""
+    """Stands in for AdapterReader: remembers which reads were started; they never finish by themselves."""
 
     def __init__(self):
         self.started: list[AdapterRef] = []

@@ -10,7 +10,7 @@ import pytest
 from tests.worker.lora.engine_runs import alone, greedy, make_engine, prompt, run, tokens
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError
-from worker.model_runner.memory_plan import MemoryPlanError, available_host_bytes
+from worker.lora.host_cache_plan import HostCachePlanError, available_host_bytes
 
 # runtime changes during traffic
 
@@ -144,5 +144,5 @@ def test_a_host_cache_larger_than_the_host_fails_at_startup_and_an_unbounded_one
     slot = sized.runner.lora_pool.layout.num_bytes
     assert sized.adapters.host_cache.capacity == pytest.approx(available // 2 // slot, rel=0.05)
     too_many = 4 * available // slot
-    with pytest.raises(MemoryPlanError, match=f"--max-cpu-loras {too_many} adapters"):
+    with pytest.raises(HostCachePlanError, match=f"--max-cpu-loras {too_many} adapters"):
         make_engine(llama, max_cpu_loras=too_many)

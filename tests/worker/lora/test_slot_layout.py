@@ -14,7 +14,7 @@ from tests.worker.lora.engine_runs import make_engine
 from worker.kernels import reference
 from worker.lora.adapter import locate_adapter, read_adapter, read_adapter_weights
 from worker.lora.slot_layout import PackedReader
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 
 def test_a_packed_adapter_loads_into_its_slot_with_one_copy(llama):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 _COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96)
 

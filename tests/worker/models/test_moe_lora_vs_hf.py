@@ -17,7 +17,7 @@ from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig,
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.lora.moe_adapter import expert_shape
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 NUM_DECODE = 16
@@ -191,7 +191,7 @@ def test_a_batch_without_adapters_is_bitwise_the_same_with_lora_on_and_off(exper
         with torch.inference_mode():
             off = runner.model(runner.input_builder.build(batch, lora=False), runner.kv_pool.caches)
             forced = runner.input_builder.build(batch, lora=True)
-            assert forced.lora is not None and set(forced.lora.token_slots_host) == {-1}
+            assert forced.lora is not None and set(forced.lora.token_lora_slots_host) == {-1}
             on = runner.model(forced, runner.kv_pool.caches)
         assert torch.equal(on, off)
         compared.append(batch.num_tokens)

@@ -15,7 +15,7 @@ from tests.hf_fixtures import MOE_ADAPTERS, adapter_dir, run_greedy
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError, inspect_adapter
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 NUM_DECODE = 16

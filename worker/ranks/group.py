@@ -1,9 +1,9 @@
 """A tensor-parallel group as rank 0 runs it: the other ranks' processes, and what every step tells them.
 
 `--tensor-parallel-size N`: the worker process is rank 0 (scheduler, adapters, sampling, the gateway's rings);
-it starts N - 1 follower processes (distributed/follower.py), rank r on GPU r, each with one socket to rank 0.
+it starts N - 1 follower processes (ranks/follower.py), rank r on GPU r, each with one socket to rank 0.
 Rank 0 sends, in order: each adapter read it starts (the follower reads its own shard of the file beside it), each
-adapter copy into a slot, and each step's batch (distributed/step_mirror.py) before launching that step. Every rank
+adapter copy into a slot, and each step's batch (ranks/step_mirror.py) before launching that step. Every rank
 then runs the same forward pass, its collectives meeting in the same order; rank 0 alone samples and broadcasts
 the sampled ids, which the next step's pending tokens are read from on every rank. Nothing of this waits for the
 device: the messages are host bytes, the broadcast is enqueued on the stream.
@@ -30,7 +30,7 @@ import torch
 
 from worker.batch import ScheduledBatch
 from worker.config import WorkerConfig
-from worker.distributed.step_mirror import StepEncoder
+from worker.ranks.step_mirror import StepEncoder
 from worker.distributed.tensor_parallel import TensorParallel, init_tensor_parallel
 from worker.lora.adapter import AdapterSpec
 from worker.request import AdapterRef
@@ -104,7 +104,7 @@ class FollowerRanks:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
-        proc = subprocess.Popen([sys.executable, "-m", "worker.distributed.follower", str(theirs.fileno())],
+        proc = subprocess.Popen([sys.executable, "-m", "worker.ranks.follower", str(theirs.fileno())],
                                 pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         conn = Connection(ours.detach())

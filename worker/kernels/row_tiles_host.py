@@ -1,4 +1,4 @@
-"""Row-tile arithmetic the host does for the kernels of kernels/tiles.py (pure Python: the input builder
+"""Row-tile arithmetic the host does for the kernels of kernels/row_tiles.py (pure Python: the input builder
 imports it, and CPU installs have no Triton).
 
 TILE_ROWS: the row tiles of a decode graph whose rows are grouped by adapter; the host writes their map

@@ -1,6 +1,6 @@
 """A follower rank of a tensor-parallel group (ranks 1 .. N-1): its share of the model, driven by rank 0.
 
-Started by distributed/group.py as `python -m worker.distributed.follower FD`, FD one end of a socket to rank 0.
+Started by ranks/group.py as `python -m worker.ranks.follower FD`, FD one end of a socket to rank 0.
 The first message is a FollowerStart; then, until the socket closes (rank 0 stopped or died):
 
     ("read", ref, spec)               read this rank's shard of an adapter into host memory, on a thread
@@ -25,15 +25,15 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from worker.distributed.group import FollowerStart, join_group, leave_group
-from worker.distributed.step_mirror import StepDecoder, StepMessage
+from worker.ranks.group import FollowerStart, join_group, leave_group
+from worker.ranks.step_mirror import StepDecoder, StepMessage
 from worker.lora.adapter import AdapterSpec
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.lora.host_cache import HostAdapter
 from worker.lora.slot_layout import PackedReader
-from worker.model_runner.memory_plan import plan_host_cache
+from worker.lora.host_cache_plan import plan_host_cache
 from worker.model_runner.runner import ModelRunner, StepHandle
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 from worker.request import AdapterRef
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ class ReadResult:
     seconds: float
 
 
-class AdapterLoader:
+class AdapterReader:
     """Reads registered adapters into `host`. `read` (spec -> HostAdapter) and `executor` may be
     replaced, e.g. by tests that hold a read back or run reads inline. `on_read(ref, spec)` is told of each read
     as it starts (tensor parallelism: the other ranks read their shares beside it)."""

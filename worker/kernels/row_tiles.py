@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.tile_map import max_tiles  # noqa: F401  (re-exported: the kernels size their grids with it)
+from worker.kernels.row_tiles_host import max_tiles  # noqa: F401  (re-exported: the kernels size their grids with it)
 
 CHUNK = tl.constexpr(64)   # groups read per vector step (batches of up to 64 sequences take one); kernels read it
 

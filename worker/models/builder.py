@@ -10,7 +10,7 @@ from worker.config import KernelConfig
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.layers.kernel_choices import KernelChoices
 from worker.models.dummy import init_dummy_weights
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from worker.models.weight_loader import load_weights

@@ -3,7 +3,7 @@
 Experts are stored as transformers 5 holds them in memory: `gate_up_proj [E, 2I, H]` (gate rows first) and
 `down_proj [E, H, I]`. Routing and the expert sum run through kernels/reference.py on the CPU, and on CUDA
 until the model runner attaches the Triton path's workspaces (`attach_workspaces`); from then on CUDA steps run
-kernels/moe.py's fused_moe.
+kernels/fused_moe.py's fused_moe.
 
 Tensor parallelism (Megatron/vLLM style): every rank holds every expert, sharded along the expert intermediate
 dimension I (`FusedExperts.intermediate_shard`): gate_up_proj holds this rank's gate rows and up rows ([E, 2I/tp, H]),
@@ -11,10 +11,10 @@ down_proj its columns ([E, H, I/tp]), so the routed sum is a partial sum. Qwen2-
 whose row-parallel down_proj leaves its partial sum unreduced; the router and shared_expert_gate stay whole, so
 sigmoid(gate(x)) * shared partial is a partial sum too, added to the routed one before the block's single
 all-reduce. Expert LoRA follows the projections: gate_up's B and down's A hold this rank's share of I
-(distributed/adapter_shards.py), down's delta adds into the partial sum.
+(lora/shards.py), down's delta adds into the partial sum.
 
 Expert LoRA: `SparseMoE.lora` (MoELoRAWeights, views of every adapter slot, attached by lora/gpu_pool.py) with
-the step's `LoRABatchInfo.token_slots` (device) / `token_slots_host` (the reference's): reference.moe_lora_experts,
+the step's `LoRABatchInfo.token_lora_slots` (device) / `token_lora_slots_host` (the reference's): reference.moe_lora_experts,
 or fused_moe with a kernels/moe_lora.MoELoRAStep. Rows without an adapter compute exactly what moe_experts computes.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.batch import ForwardBatch, LoRABatchInfo, MoELoRAWeights
+from worker.batch import ForwardBatch, LoRABatchInfo
+from worker.lora.weights import MoELoRAWeights
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.kernels.reference import MoELoRASlots, moe_experts, moe_lora_experts, moe_route
 from worker.layers.kernel_choices import KernelChoices
@@ -101,7 +102,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = (Linear(hidden_size, [1], False, dtype, kernels)
                                    if shared_expert is not None else None)
         self.lora: MoELoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
-        # the Triton path's workspaces (kernels/moe.py MoEWorkspace, kernels/moe_lora.py MoELoRAWorkspace), set
+        # the Triton path's workspaces (kernels/fused_moe.py MoEWorkspace, kernels/moe_lora.py MoELoRAWorkspace), set
         # by the model runner (attach_workspaces) on CUDA; while None, CUDA runs the reference as the CPU does
         self.workspace = None
         self.lora_workspace = None
@@ -135,7 +136,7 @@ class SparseMoE(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if lora is None:
             return moe_experts(x, gate_up, down, weights, ids)
-        return moe_lora_experts(x, gate_up, down, weights, ids, lora.token_slots_host, self._slots(lora))
+        return moe_lora_experts(x, gate_up, down, weights, ids, lora.token_lora_slots_host, self._slots(lora))
 
     def _slots(self, lora: LoRABatchInfo) -> MoELoRASlots:
         """The reference's view of self.lora: each projection at its slot's rank (its largest over the adapter's
@@ -148,15 +149,15 @@ class SparseMoE(nn.Module):
                             [bool(flag) for flag in w.shared_outer.tolist()])
 
     def _fused(self, x: torch.Tensor, logits: torch.Tensor, lora: LoRABatchInfo | None) -> torch.Tensor:
-        """The Triton path (kernels/moe.py, kernels/moe_lora.py), taken once the runner sets self.workspace."""
-        from worker.kernels.moe import fused_moe            # Triton; imported here so CPU installs need none
+        """The Triton path (kernels/fused_moe.py, kernels/moe_lora.py), taken once the runner sets self.workspace."""
+        from worker.kernels.fused_moe import fused_moe            # Triton; imported here so CPU installs need none
         from worker.kernels.moe_lora import MoELoRAStep
         step = None
         if lora is not None:
             # the kernels' grids follow max_rank; a CUDA graph replays them for any adapter mix, so it is captured
             # at the slots' R (a capture step's own ranks are those of whatever the slots held then)
             max_rank = self.lora.down_a.shape[2] if torch.cuda.is_current_stream_capturing() else lora.max_rank
-            step = MoELoRAStep(self.lora, lora.token_slots, lora.ranks, max_rank, self.lora_workspace)
+            step = MoELoRAStep(self.lora, lora.token_lora_slots, lora.ranks, max_rank, self.lora_workspace)
         return fused_moe(x, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, self.renormalize,
                          self.float32_weights, self.workspace, lora=step,
                          programmatic_launch=self.kernels.programmatic_launch)
