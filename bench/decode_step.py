@@ -13,8 +13,7 @@ batch 32 instead of the skinny kernel (kernels/skinny_gemm.py); "graphs-nopdl" r
 once the one before it has ended (kernels/pdl.py). Each of the last three is the engine built with one
 KernelConfig choice off (MODE_KERNELS). "graphs-large" (only when named) is a serving batch: 256 rows of the base
 model, of one adapter, and over 64 adapters (an engine of 256 sequences and 64 slots), profiled with --profile;
-"graphs-large-inline" the adapter runs with the LoRA kernels in line, "graphs-large-fused" with gate_up's LoRA
-expand inside the SiLU-and-mul instead of a kernel of its own (KernelConfig.lora_expand_in_consumers on).
+"graphs-large-inline" the adapter runs with the LoRA kernels in line.
 """
 from __future__ import annotations
 
@@ -49,17 +48,14 @@ MODE_RUNS = {"graphs": list(RUNS), "eager": ["b1_base", "b32_base"],
              "graphs-cublas": list(RUNS),        # what the small-batch GEMV and the skinny kernel buy
              "graphs-nopdl": list(RUNS),         # what programmatic dependent launch buys
              "graphs-large": list(LARGE_RUNS),   # a serving batch: 256 rows, 64 slots (ratios within the mode)
-             "graphs-large-inline": list(LARGE_RUNS)[1:],   # the side stream at 256 rows (against graphs-large)
-             "graphs-large-fused": list(LARGE_RUNS)[1:]}   # the expand inside the SiLU-and-mul, at 256 rows
+             "graphs-large-inline": list(LARGE_RUNS)[1:]}   # the side stream at 256 rows (against graphs-large)
 # the engine's kernel choices per mode (the other modes: KernelConfig's defaults)
 MODE_KERNELS = {"graphs-inline": KernelConfig(lora_side_stream=False),
                 "graphs-large-inline": KernelConfig(lora_side_stream=False),
-                "graphs-large-fused": KernelConfig(lora_expand_in_consumers=True),
                 "graphs-cublas": KernelConfig(gemv_row_limit=0, skinny_row_limit=0),
                 "graphs-nopdl": KernelConfig(programmatic_launch=False)}
 PROFILED = {"graphs": ["b1_base", "b32_base", "b32_32lora16"], "eager": ["b1_base", "b32_base", "b32_32lora16"],
-            "graphs-large": MODE_RUNS["graphs-large"], "graphs-large-inline": MODE_RUNS["graphs-large-inline"],
-            "graphs-large-fused": MODE_RUNS["graphs-large-fused"]}
+            "graphs-large": MODE_RUNS["graphs-large"], "graphs-large-inline": MODE_RUNS["graphs-large-inline"]}
 LARGE = {"max_seqs": 256, "max_loras": 64, "kv_bytes": 20 << 30}   # the graphs-large engine
 
 
@@ -210,8 +206,6 @@ RATIOS = {   # name: (numerator run, its field, denominator run, its field)
         ("graphs-large_b256_64lora16", "replay_ms", "graphs-large_b256_base", "replay_ms"),
     **{f"{run}_inline_over_side_stream": (f"graphs-large-inline_{run}", "step_ms_median", f"graphs-large_{run}",
                                           "step_ms_median") for run in ("b256_lora16", "b256_64lora16")},
-    **{f"{run}_fused_over_separate": (f"graphs-large-fused_{run}", "step_ms_median", f"graphs-large_{run}",
-                                      "step_ms_median") for run in ("b256_lora16", "b256_64lora16")},
     "b1_lora16_over_b1_base": ("graphs_b1_lora16", "step_ms_median", "graphs_b1_base", "step_ms_median"),
     "b32_32lora16_over_floor_with_adapters":
         ("graphs_b32_32lora16", "step_ms_median", "graphs_b32_32lora16", "floor_ms"),

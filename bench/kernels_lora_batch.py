@@ -3,7 +3,7 @@
 At Llama-3.1-8B's LoRA projection shapes (qkv, o, gate_up, down), rank-16 slots, `--rows` decode rows spread
 evenly over `--adapters` adapters (0 = every row its own adapter), rows sorted by slot as the scheduler
 orders them, times per shape:
-- `gemm`: the base projection alone (layers/linear.project under the engine's kernel choices);
+- `gemm`: the base projection alone (kernels/ops.linear under the engine's kernel choices);
 - `per_row`: lora_shrink then lora_expand into y with one segment per row (max_seg_len 1: the GEMV-style
   programs, each row reading its adapter's A and B on its own);
 - `grouped`: the same with one segment per adapter, padded to a fixed segment count as a decode graph pads
@@ -39,8 +39,8 @@ from worker.kernels.lora_expand import lora_expand
 from worker.kernels.lora_shrink import grouped_config as shrink_grouped_config
 from worker.kernels.lora_shrink import lora_shrink
 from worker.kernels.row_tiles_host import host_tile_map, max_tiles
-from worker.layers.kernel_choices import KernelChoices
-from worker.layers.linear import project
+from worker.kernels.choices import KernelChoices
+from worker.kernels.ops import linear as project
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 At Llama-3.1-8B's LoRA projection shapes (qkv, o, gate_up, down) and `--rows` decode rows, each on its own
 rank-16 adapter (slots of rank 16), times per shape:
-- `gemm`: the base projection alone through layers/linear.project under KernelConfig's row limits: the GEMV
+- `gemm`: the base projection alone through kernels/ops.linear under KernelConfig's row limits: the GEMV
   up to gemv_row_limit rows, then cuBLAS; with `--skinny` kernels/skinny_gemm.py up to skinny_row_limit, as
   the engine routes them by default;
 - `lora`: lora_shrink then lora_expand into y, without the GEMM (the adapter bytes' own bandwidth);
@@ -38,8 +38,8 @@ from bench.kernels_lora import graph_time_us
 from worker.config import KernelConfig
 from worker.kernels.lora_expand import lora_expand
 from worker.kernels.lora_shrink import lora_shrink
-from worker.layers.kernel_choices import KernelChoices
-from worker.layers.linear import project
+from worker.kernels.choices import KernelChoices
+from worker.kernels.ops import linear as project
 
 logger = logging.getLogger(__name__)
 

@@ -99,23 +99,19 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="an engine without CUDA graphs")
     parser.add_argument("--tile-map-max-tokens", type=int, default=KernelConfig.lora_tile_map_max_tokens,
                         help="KernelConfig.lora_tile_map_max_tokens (mixed graphs above it search their LoRA tiles)")
-    parser.add_argument("--expand-in-silu", action="store_true",
-                        help="gate_up's LoRA expand inside the SiLU-and-mul, not a kernel of its own "
-                             "(KernelConfig.lora_expand_in_consumers on)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arch = ArchConfig.from_dir(args.model)
     tokens = args.decode_rows + args.prefills * args.prompt_len
     results: dict = {"device": torch.cuda.get_device_name(), "decode_rows": args.decode_rows,
-                     "tile_map_max_tokens": args.tile_map_max_tokens, "expand_in_silu": args.expand_in_silu,
+                     "tile_map_max_tokens": args.tile_map_max_tokens,
                      "prefill_tokens": args.prefills * args.prompt_len, "step_tokens": tokens, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, 16, seed=i, device="cuda")) for i in range(64)]
         engine = build_engine(args.model, 256, 64, eager=args.eager, async_scheduling=False, kv_bytes=20 << 30,
                               mixed_graph_max_tokens=WorkerConfig.mixed_graph_max_tokens,   # the server's default
-                              kernels=KernelConfig(lora_tile_map_max_tokens=args.tile_map_max_tokens,
-                                                   lora_expand_in_consumers=args.expand_in_silu))
+                              kernels=KernelConfig(lora_tile_map_max_tokens=args.tile_map_max_tokens))
         for i, path in enumerate(adapters):
             engine.add_adapter(f"a{i}", path)
         for name in args.runs:

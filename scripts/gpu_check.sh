@@ -93,12 +93,10 @@ for stage in $stages; do
     large)   # a serving batch's steps, 8B shape: 256 decode rows (base, one adapter, 64 adapters; LoRA beside the
              # base GEMMs and in line) and a mixed step of 192 rows + 1,024 prompt tokens, each profiled
              failed=0
-             # LARGE_MODES: decode_step's modes (default: also the side stream's and the fused expand's A/Bs)
-             timeout 400 python3 -m bench.decode_step --modes ${LARGE_MODES:-graphs-large graphs-large-inline graphs-large-fused} \
+             # LARGE_MODES: decode_step's modes (default: also the side stream's A/B)
+             timeout 400 python3 -m bench.decode_step --modes ${LARGE_MODES:-graphs-large graphs-large-inline} \
                --profile --out "$OUT/decode_large.json" > "$OUT/large.log" 2>&1 || failed=1
              timeout 200 python3 -m bench.mixed_step --profile --out "$OUT/mixed_step.json" >> "$OUT/large.log" 2>&1 || failed=1
-             timeout 200 python3 -m bench.mixed_step --expand-in-silu --out "$OUT/mixed_step_fused.json" \
-               >> "$OUT/large.log" 2>&1 || failed=1
              (exit $failed) ;;
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     structured)   # a decode step with a quarter of the batch constrained (JSON schema) against none, 8B shape

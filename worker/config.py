@@ -68,7 +68,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernels the CUDA path routes work to; the CPU path runs the torch references whatever these say.
-    models/builder.build_model resolves it for the device once (layers/kernel_choices.py) and hands the result
+    models/builder.build_model resolves it for the device once (kernels/choices.py) and hands the result
     to the layers it builds. Turning a choice off gives the path it replaced (cuBLAS, plain launches, LoRA in
     line), which the GPU tests and bench.decode_step compare against."""
     gemv_row_limit: int = 2           # projections of at most this many rows run kernels/gemv.py (0: none)
@@ -83,9 +83,8 @@ class KernelConfig:
     lora_tile_map_max_tokens: int = 1 << 20   # mixed-batch graphs of at most this many tokens (default: all) run
                                               # LoRA over 16-row tiles from the host's tile map, K split in the
                                               # shrink; larger ones search their tiles (0: all of them search)
-    lora_expand_in_consumers: bool = False   # batches on the tile map: gate_up's LoRA expand runs inside the
-                                             # SiLU-and-mul that reads its output (kernels/lora_expand.py). Off:
-                                             # it gains with few adapters and loses over many (BENCHMARKS.md)
+    lora_backend: str = "auto"        # what runs LoRA in the forward pass (layers/lora/): "triton" (CUDA),
+                                      # "reference" (torch, the CPU's); auto: the device's
     one_shot_all_reduce_bytes: int = 4 << 20   # tensor parallelism: all-reduces up to this size sum over NVLink
                                                # peer memory in one shot (distributed/all_reduce.py); NCCL above (0: all)
     all_reduce_kernel: str = "triton"     # what sums those: one launch (kernels/one_shot_all_reduce.py), or

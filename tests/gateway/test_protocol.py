@@ -181,9 +181,9 @@ def test_late_launch_flag_reaches_the_worker(flags, late_launch):
 
 def test_kernel_config_flag_sets_the_named_fields_and_keeps_the_rest():
     config = GatewayConfig.from_args(build_parser().parse_args(
-        ["serve", "--model", "/m", "--kernel-config", '{"lora_expand_in_consumers": true, "skinny_row_limit": 16}']))
+        ["serve", "--model", "/m", "--kernel-config", '{"lora_backend": "reference", "skinny_row_limit": 16}']))
     kernels = config.worker_config().kernels
-    assert kernels.lora_expand_in_consumers is True and kernels.skinny_row_limit == 16
+    assert kernels.lora_backend == "reference" and kernels.skinny_row_limit == 16
     assert kernels.lora_side_stream == KernelConfig().lora_side_stream
     assert GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m"])).worker_config().kernels \
         == KernelConfig()

@@ -109,32 +109,6 @@ def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
     assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, f"{arch} grouped")
 
 
-def test_expand_inside_silu_and_mul_matches_the_separate_expand_and_hf_peft(hf_models):
-    """gate_up's LoRA expand run inside the SiLU-and-mul (KernelConfig.lora_expand_in_consumers) in the grouped
-    decode graphs and the mixed graphs (both on the tile map): the same tokens as with the expand on its own,
-    logits within a few roundings of it (the fused kernel may round a multiply-add once instead of twice), and
-    every row tracks HF+PEFT."""
-    model_dir = hf_models["llama"]
-    kernels = dict(grouped_lora_min_rows=4)
-    separate_tokens, separate = run(make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(
-        **kernels, lora_expand_in_consumers=False)), SHARED_ROWS, capture_logits=True)
-    engine = make_engine(model_dir, enforce_eager=False, kernels=KernelConfig(**kernels, lora_expand_in_consumers=True))
-    assert engine.runner.model.layers[0].mlp.gate_up_proj.kernels.lora_expand_in_consumers
-    tokens, logits = run(engine, SHARED_ROWS, capture_logits=True)
-    assert engine.runner.graph_runner.replays["grouped"] >= NUM_STEPS - 2
-    assert engine.runner.graph_runner.replays["mixed"] >= 1
-    assert tokens == separate_tokens
-    for request_id, rows in separate.items():
-        for a, b in zip(logits[request_id], rows, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0.05 * b.abs().max().item())
-    assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, "llama expand inside SiLU-and-mul")
-
-
-# eight prompts of ~200 tokens: one mixed step of ~1,600 tokens (the tiny models hold 256 positions)
-LONG_ROWS = [(200, None), (190, "r4-qv"), (210, "r8-all"), (180, "r16-mlp-rs"), (205, "r8-all"), (195, None),
-             (215, "r4-qv"), (185, "r8-all")]
-
-
 def test_mixed_graphs_above_1024_tokens_run_lora_from_the_tile_map_and_match_hf_peft(hf_models):
     """A prefill step of ~1,600 tokens with adapters replays a mixed graph whose LoRA runs over the host's tile
     map (KernelConfig.lora_tile_map_max_tokens covers every mixed graph since searched tiles cost 4x more at
@@ -211,17 +185,18 @@ def test_programmatic_launch_changes_no_logit(hf_models, enforce_eager, num_rows
 
 def test_every_layer_holds_the_kernel_choices_resolved_for_the_gpu(hf_models):
     """build_model hands one KernelChoices to every layer that launches a kernel: the configured row limits, PDL
-    where the device has it, and the skinny GEMM's counters, zeros on the device; limits the kernels cannot take
-    are refused."""
-    from worker.layers.kernel_choices import KernelChoices
+    where the device has it, the skinny GEMM's counters, zeros on the device, and the LoRA backend; limits the
+    kernels cannot take are refused."""
+    from worker.kernels.choices import KernelChoices
     from worker.models.builder import build_model
     device = torch.device("cuda")
     model = build_model(hf_models["llama"], torch.bfloat16, device, "auto", 64,
                         KernelConfig(gemv_row_limit=1, skinny_row_limit=16))
     holders = [m for m in model.modules() if hasattr(m, "kernels")]
-    assert {type(m).__name__ for m in holders} == {"Linear", "LMHead", "RMSNorm", "Attention", "LlamaMLP"}
+    assert {type(m).__name__ for m in holders} == {"Linear", "LMHead", "RMSNorm", "Attention", "SiluAndMul"}
     choices = holders[0].kernels
     assert all(m.kernels is choices for m in holders)
+    assert choices.lora.name == "triton"           # the LoRA backend chosen once for the device
     assert (choices.gemv_row_limit, choices.skinny_row_limit) == (1, 16)
     assert choices.programmatic_launch == (torch.cuda.get_device_capability() >= (9, 0))
     assert choices.skinny_counters.is_cuda and not choices.skinny_counters.any()

@@ -356,64 +356,6 @@ def test_split_k_and_host_tile_map_give_the_reference_result(dtype, scenario, ti
         _assert_close(xa.sum(0)[rows], xa_ref[rows], torch.float32 if dtype == torch.float32 else torch.float16)
 
 
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("scenario", ["decode-merged-uniform-ranks4+16", "decode-graph-padded", "mixed-graph-padded",
-                                      "mixed-70-segments", "prefill-uniform-R128"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_expand_inside_silu_and_mul_gives_the_reference_and_the_two_kernel_result(dtype, scenario, split_k):
-    """lora_expand_silu_mul (gate_up's expand inside the SiLU-and-mul) over the host's tile map: the float32
-    reference's silu(gate) * up of y + delta, and what lora_expand (other column tiles) then fused.silu_and_mul
-    write, within one rounding (the same roundings, in sums whose order may differ); y is not modified and rows
-    in no segment are not written."""
-    from worker.kernels.fused import silu_and_mul
-    from worker.kernels.lora_expand import lora_expand_silu_mul
-    from worker.kernels.row_tiles_host import host_tile_map, max_tiles
-    gen = torch.Generator().manual_seed(11)
-    batch = _make_batch(SCENARIOS[scenario], gen)
-    widths = SLICE_WIDTHS["gate_up"]
-    y, xa, b, scalings = _expand_inputs(batch, widths, gen)
-    y, b = y.to(dtype), b.to(dtype)
-    if split_k == 1:
-        xa, xa_eff = xa.to(dtype), xa.to(dtype)
-    else:   # lora_shrink's float32 partial sums over ranges of K, summed and rounded by the expand
-        xa = torch.stack([xa * 0.25, xa * 0.75]).float()
-        xa_eff = xa.sum(0).to(dtype)
-    meta = batch.device_metadata()          # seg_indptr padded to num_segments, as the tile map needs it
-    num_tiles = max_tiles(batch.num_tokens, batch.num_segments, 16)
-    tiles = torch.tensor(host_tile_map(meta[0].tolist(), 16, num_tiles), dtype=torch.int32, device=DEVICE)
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=32, num_warps=4, num_stages=1)
-    y_before = y.clone()
-    out = torch.full((batch.num_tokens, widths[0]), float("nan"), dtype=dtype, device=DEVICE)
-    lora_expand_silu_mul(y, xa, b, *meta, scalings, tiles, out=out, config=cfg)
-    assert torch.equal(y, y_before)
-
-    rows = [t for t, w in enumerate(batch.token_lora_slots()) if w is not None]
-    padding = [t for t, w in enumerate(batch.token_lora_slots()) if w is None]
-    assert out[padding].isnan().all()
-    summed = _per_token_y(y, xa_eff, b, scalings, batch, _offsets(widths))       # float32 y + delta
-    expected = reference.silu_and_mul(summed)
-    tol = 4 * TOL[dtype]
-    torch.testing.assert_close(out[rows].float(), expected[rows], rtol=tol,
-                               atol=tol * expected[rows].abs().max().item())
-
-    two_kernels = y.clone()
-    lora_expand(two_kernels, xa, b, *meta, scalings, _offsets(widths), batch.num_segments,
-                max(batch.max_seg_len, 2), config=dict(cfg, BLOCK_N=64), tile_map=tiles)
-    two_kernels = silu_and_mul(two_kernels, programmatic_launch=False)
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(out[rows], two_kernels[rows], rtol=2 * eps,
-                               atol=eps * two_kernels[rows].abs().max().item())
-
-
-# launch configs as the kernels' default_config() gives them: a GEMV (one row) and tensor-core tiles
-CONFIGS = [(dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, num_warps=4, num_stages=1),
-            dict(BLOCK_M=1, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=4, num_stages=1)),
-           (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
-            dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, BLOCK_R_HIGH=32, num_warps=4, num_stages=2)),
-           (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
-            dict(BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=64, num_warps=8, num_stages=2))]
-
-
 @pytest.mark.parametrize("configs", CONFIGS, ids=["gemv", "tiles-16", "tiles-32"])
 @pytest.mark.parametrize("scenario", ["decode-zipf-R128", "prefill-zipf-ranks4+16"])
 def test_any_launch_config_gives_the_reference_result(scenario, configs):

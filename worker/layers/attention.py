@@ -6,41 +6,36 @@ import torch
 from torch import nn
 
 from worker.batch import ForwardBatch
-from worker.kernels import reference
-from worker.layers.kernel_choices import KernelChoices
+from worker.kernels import ops
+from worker.kernels.choices import KernelChoices
+from worker.layers.lora.deferred import Deferred, split
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
-                 kernels: KernelChoices):
+                 kernels: KernelChoices, qk_norm: tuple[RMSNorm, RMSNorm] | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
         self.rotary, self.kernels = rotary, kernels
+        # Qwen3's per-head q_norm and k_norm (owned by the model's attention block, which loads them); they share
+        # the model's rms_norm_eps, so the fused kernel takes one eps
+        self.qk_norm = qk_norm
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                batch: ForwardBatch, qkv_delta: torch.Tensor | None = None,
-                qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; q and k normed (qk_norm:
-        # Qwen3's per-head q_norm, k_norm) and rotated in place; qkv_delta: the qkv projection's LoRA output still to
-        # be added first (Linear.forward_deferred; CUDA only)
-        k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
-        if q.is_cuda:   # Triton kernels; imported here so CPU-only installs need no triton
-            from worker.kernels.attention import paged_attention
-            from worker.kernels.fused import rotary_store_kv
-            pdl = self.kernels.programmatic_launch
-            # q_norm and k_norm share the model's rms_norm_eps (models/llama.py): the kernel takes one eps
-            norms = None if qk_norm is None else (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
-            rotary_store_kv(batch.positions, q, k, v, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
-                            batch.kv_slot_mapping, qkv_delta, programmatic_launch=pdl, qk_norm=norms)
-            return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                   self.scale, batch.num_seqs, batch.max_query_len, programmatic_launch=pdl)
-        assert qkv_delta is None, "deferred LoRA deltas exist on CUDA only"
-        if qk_norm is not None:
-            q, k = qk_norm[0](q), qk_norm[1](k)
-        self.rotary(batch.positions, q, k)
-        reference.store_kv(k, v, k_cache, v_cache, batch.kv_slot_mapping)
-        return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,
-                                         batch.seq_lens_host, self.scale)
+    def forward(self, qkv: torch.Tensor | Deferred, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> torch.Tensor:
+        """qkv: [num_tokens, q | k | v of this rank's heads], the qkv projection's output (its LoRA delta still to
+        add, or not: layers/lora/deferred.py) -> [num_tokens, num_heads * head_dim]."""
+        qkv, delta = split(qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)        # [num_tokens, this rank's heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)     # [num_tokens, this rank's KV heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        norms = None if self.qk_norm is None else (self.qk_norm[0].weight, self.qk_norm[1].weight,
+                                                   self.qk_norm[0].eps)
+        out = ops.attention(q, k, v, delta, kv_cache, batch, self.rotary.cos, self.rotary.sin, self.scale, norms,
+                            self.kernels)
+        return out.reshape(-1, self.q_size)

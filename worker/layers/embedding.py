@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
-from worker.layers.kernel_choices import KernelChoices
-from worker.layers.linear import project
+from worker.kernels.choices import KernelChoices
+from worker.kernels.ops import linear as project
 
 
 class VocabShard(nn.Module):

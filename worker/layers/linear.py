@@ -1,64 +1,26 @@
-"""Linear projections with fused output slices (qkv, gate_up) and per-token-segment LoRA deltas, whole or as one
-rank's shard of a tensor-parallel projection (column- or row-parallel, Megatron-style)."""
+"""Linear projections with fused output slices (qkv, gate_up), whole or as one rank's shard of a tensor-parallel
+projection (column- or row-parallel, Megatron-style). The base weight is held by a weight scheme
+(layers/weights/), the LoRA delta computed by the model's LoRA backend (layers/lora/)."""
 from __future__ import annotations
-
-import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.batch import LoRABatchInfo
-from worker.lora.weights import LoRAWeights
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
-from worker.kernels import reference
-from worker.layers.kernel_choices import KernelChoices
-
-
-# Most tokens of a decode step whose LoRA delta forward_deferred() hands to the next kernel; larger steps add
-# it in place, as the float32 delta grows with the step.
-MAX_DEFERRED_TOKENS = 256
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelChoices,
-            beside_lora: bool = False) -> torch.Tensor:
-    """x @ weight^T (+ bias): on a GPU, at most `kernels.gemv_row_limit` rows go through the small-batch kernel
-    (kernels/gemv.py: no split-K, W read once at full bandwidth), up to `kernels.skinny_row_limit` through
-    kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS.
-    beside_lora: LoRA kernels run on a second stream beside this projection; the GEMV then does not launch
-    early (kernels/gemv.py)."""
-    rows = x.shape[0]
-    gemv_rows, skinny_rows = kernels.gemv_row_limit, kernels.skinny_row_limit
-    if x.is_cuda and 0 < rows <= max(gemv_rows, skinny_rows) and x.stride(1) == 1 and weight.is_contiguous():
-        if rows <= gemv_rows:
-            from worker.kernels.gemv import gemv     # Triton; imported here so CPU installs need none
-            return gemv(x, weight, bias, programmatic_launch=kernels.programmatic_launch,
-                        early_launch=not beside_lora)
-        from worker.kernels.skinny_gemm import skinny_gemm
-        return skinny_gemm(x, weight, bias, kernels.skinny_counters, programmatic_launch=kernels.programmatic_launch)
-    return F.linear(x, weight, bias)
-
-
-@dataclass
-class PendingExpand:
-    """A projection's LoRA expand left to the kernel that reads the projection's output next, which adds the
-    delta as it loads y (kernels/lora_expand.lora_expand_silu_mul): y is not read and written once more, and
-    the expand costs no launch of its own. Batches on the host's tile map only (LoRABatchInfo.tile_map)."""
-    xa: torch.Tensor         # the shrink's output (or its float32 split-K partials)
-    lora: LoRAWeights
-    info: LoRABatchInfo
-
-    def silu_and_mul(self, y: torch.Tensor) -> torch.Tensor:
-        """fused.silu_and_mul(y + this gate_up projection's LoRA delta): [T, 2I] -> [T, I]."""
-        from worker.kernels.lora_expand import lora_expand_silu_mul
-        w, info = self.lora, self.info
-        return lora_expand_silu_mul(y, self.xa, w.b, info.seg_indptr, info.seg_lora_slots, info.ranks, w.scalings,
-                                    info.tile_map)
+from worker.kernels.choices import KernelChoices
+from worker.layers.lora.deferred import Deferred
+from worker.layers.weights.scheme import LinearScheme
+from worker.layers.weights.unquantized import UnquantizedLinear
+from worker.lora.weights import LoRAWeights
 
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up).
+    """y = x @ W^T (+ b), W stacked from `output_sizes` slices (q|k|v or gate|up), held by `scheme`
+    (layers/weights/scheme.py; unquantized by default); with adapters, + the LoRA delta of each token's adapter,
+    which `kernels.lora` (the LoRA backend, layers/lora/backend.py) computes, in place or deferred to the next
+    kernel (layers/lora/deferred.py).
 
     Tensor parallelism (`column_parallel`, `row_parallel`): this rank holds a shard of the checkpoint's W.
     Column-parallel: rows [start, start + length) of each fused slice (`output_shards[s]`); y is this rank's share of
@@ -78,15 +40,16 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 kernels: KernelChoices):
+                 kernels: KernelChoices, scheme: LinearScheme | None = None):
         super().__init__()
         self.in_features = in_features
         self.output_sizes = list(output_sizes)
         self.slice_offsets = [0]
         for size in output_sizes:
             self.slice_offsets.append(self.slice_offsets[-1] + size)
+        self.scheme = scheme if scheme is not None else UnquantizedLinear()
+        self.scheme.create_weights(self, dtype)
         out = self.slice_offsets[-1]
-        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
         self.kernels = kernels
@@ -103,42 +66,61 @@ class Linear(nn.Module):
 
     @classmethod
     def column_parallel(cls, in_features: int, output_sizes: list[int], shards: list[tuple[int, int]], bias: bool,
-                        dtype: torch.dtype, kernels: KernelChoices) -> "Linear":
+                        dtype: torch.dtype, kernels: KernelChoices, scheme: LinearScheme | None = None) -> "Linear":
         """This rank's rows [start, start + length) of each fused slice of `output_sizes` (`shards`, one per
         slice); no collective."""
-        linear = cls(in_features, [length for _, length in shards], bias, dtype, kernels)
+        linear = cls(in_features, [length for _, length in shards], bias, dtype, kernels, scheme)
         linear.full_output_sizes, linear.output_shards = list(output_sizes), list(shards)
         return linear
 
     @classmethod
     def row_parallel(cls, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                     kernels: KernelChoices, tp: TensorParallel, reduce_results: bool = True) -> "Linear":
+                     kernels: KernelChoices, tp: TensorParallel, reduce_results: bool = True,
+                     scheme: LinearScheme | None = None) -> "Linear":
         """This rank's even share of `in_features`; forward all-reduces over `tp` (nothing at world size 1), or,
         with reduce_results=False, returns this rank's partial sum for the caller to all-reduce."""
         start, length = tp.split(in_features, "Input size of a row-parallel projection")
-        linear = cls(length, output_sizes, bias, dtype, kernels)
+        linear = cls(length, output_sizes, bias, dtype, kernels, scheme)
         linear.tp, linear.input_shard, linear.reduce_results = tp, (start, length), reduce_results
         return linear
 
+    def full_rows(self) -> int:
+        """Output rows of the whole checkpoint projection (every fused slice)."""
+        return sum(self.full_output_sizes)
+
+    def full_in_features(self) -> int:
+        """Input columns of the whole checkpoint projection."""
+        return self.in_features if self.input_shard is None else self.input_shard[1] * self.tp.world_size
+
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        """The checkpoint tensors this projection takes: its scheme's, and its bias."""
+        return self.scheme.checkpoint_tensors() + (("bias",) if self.bias is not None else ())
+
     def full_shape(self, param: str) -> tuple[int, ...]:
-        """The shape of the whole checkpoint tensor `param` (weight or bias) this module holds a shard of."""
-        in_features = self.in_features if self.input_shard is None else self.input_shard[1] * self.tp.world_size
-        shape = (sum(self.full_output_sizes), in_features)
-        return shape if param == "weight" else shape[:1]
+        """The shape of the whole checkpoint tensor `param` this module holds a shard of."""
+        return (self.full_rows(),) if param == "bias" else self.scheme.full_shape(self, param)
 
     def load_shard(self, param: str, shard: int | None, tensor: torch.Tensor) -> None:
-        """Copy a checkpoint tensor, this rank's shard of it, into the whole parameter (shard None: the whole
-        fused tensor, or an unfused one) or into one output slice."""
+        """Copy a checkpoint tensor, this rank's shard of it, into place (shard None: the whole fused tensor, or
+        an unfused one; else one output slice): the bias here, everything else through the weight scheme."""
+        if param == "bias":
+            self.copy_share(self.bias, tensor, shard, columns=False)
+        else:
+            self.scheme.load(self, param, shard, tensor)
+
+    def copy_share(self, target: torch.Tensor, tensor: torch.Tensor, shard: int | None, columns: bool) -> None:
+        """Copy this rank's share of a checkpoint tensor whose rows are the projection's output rows into
+        `target`: column-parallel, rows [start, start + length) of each fused slice; row-parallel with
+        `columns`, the columns of this rank's input shard."""
         if self.output_shards is not None:
             if shard is None:
                 for s, part in enumerate(tensor.split(self.full_output_sizes)):
-                    self.load_shard(param, s, part)
+                    self.copy_share(target, part, s, columns)
                 return
             start, length = self.output_shards[shard]
             tensor = tensor.narrow(0, start, length)
-        elif self.input_shard is not None and param == "weight":
+        elif self.input_shard is not None and columns:
             tensor = tensor.narrow(1, *self.input_shard)
-        target = getattr(self, param)
         if shard is not None:
             target = target[self.slice_offsets[shard]:self.slice_offsets[shard + 1]]
         if target.shape != tensor.shape:
@@ -183,27 +165,23 @@ class Linear(nn.Module):
             return a, b
         return a, b
 
-    def forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None = None) -> torch.Tensor:
-        # x: [num_tokens, in_features] -> y: [num_tokens, out_features]
-        if self.tp.world_size == 1:
-            return self._forward(x, lora_info, self.bias)
-        y = self._forward(x, lora_info, self.bias if self.tp.rank == 0 else None)   # a partial sum
-        return self.tp.all_reduce(y) if self.reduce_results else y
-
-    def _forward(self, x: torch.Tensor, lora_info: LoRABatchInfo | None, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.lora is None or lora_info is None or lora_info.max_rank == 0:
-            return project(x, self.weight, bias, self.kernels)
-        if x.is_cuda:
-            return self._forward_lora_cuda(x, lora_info, defer=False, bias=bias)[0]
-        y = F.linear(x, self.weight, bias)
-        w, info = self.lora, lora_info
-        xa = reference.lora_shrink(x, w.a, info.seg_indptr_host, info.seg_lora_slots_host,
-                                   info.ranks_host, w.num_slices)
-        reference.lora_expand(self._lora_rows(y), self._whole_xa(xa), w.b, info.seg_indptr_host,
-                              info.seg_lora_slots_host, info.ranks_host, w.scalings, w.slice_offsets)
+    def forward(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor | Deferred:
+        """x: [num_tokens, in_features] -> y: [num_tokens, out_features], or, when the LoRA backend leaves this
+        projection's delta to the next kernel, Deferred(y, delta)."""
+        bias = self.bias if self.tp.rank == 0 else None     # a row-parallel shard's bias: added once, on rank 0
+        if self.lora is None or lora is None or lora.max_rank == 0:
+            y = self.scheme.apply(self, x, bias)
+        else:
+            y = self.kernels.lora.linear(self, x, lora, bias)
+        if self.tp.world_size > 1 and self.reduce_results:
+            return self.tp.all_reduce(y)      # a partial sum; the backend never defers a row-parallel shard's delta
         return y
 
-    def _whole_xa(self, xa: torch.Tensor) -> torch.Tensor:
+    def base(self, x: torch.Tensor, bias: torch.Tensor | None, beside_lora: bool = False) -> torch.Tensor:
+        """The base projection alone, as the weight scheme multiplies: x @ W^T (+ bias)."""
+        return self.scheme.apply(self, x, bias, beside_lora)
+
+    def whole_xa(self, xa: torch.Tensor) -> torch.Tensor:
         """The shrink's output as the expand reads it; fully sharded, this rank's part of it made whole over the
         ranks: column-parallel, every rank's rank rows of each slice gathered (each rank's part in its place in a
         zero buffer, summed by one all-reduce: the collective with a one-launch kernel, captured in CUDA graphs);
@@ -219,81 +197,6 @@ class Linear(nn.Module):
         whole.select(-2, tp.rank).copy_(xa.unflatten(-1, (slices, -1)))
         return tp.all_reduce(whole).flatten(-3)
 
-    def _lora_rows(self, y: torch.Tensor) -> torch.Tensor:
+    def lora_rows(self, y: torch.Tensor) -> torch.Tensor:
         """The columns of y this rank's lora_B writes: its share of the output when fully sharded row-parallel."""
         return y if self.lora_output_shard is None else y.narrow(1, *self.lora_output_shard)
-
-    def forward_deferred(self, x: torch.Tensor, lora_info: LoRABatchInfo | None, silu_and_mul_next: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
-        """(y, delta): y = x @ W^T (+ b) and, when the LoRA runs beside the GEMM, its output delta
-        ([num_tokens, out_features] float32) for the next kernel to add (kernels/fused.py: round(y + delta)
-        is what forward() returns). Decode steps only (one token per segment, at most MAX_DEFERRED_TOKENS):
-        the decode graphs compile these kernel variants at capture, and a prefill's float32 delta would be
-        large. delta is None when forward() applied the LoRA itself: no adapter, the CPU, no side stream, not a
-        CUDA-graph batch (LoRABatchInfo.overlap), not a decode step, a row-parallel shard at world size > 1 (its
-        delta would be a partial sum, to be added before the all-reduce), or fully sharded LoRA (a collective
-        between its shrink and expand).
-
-        silu_and_mul_next (gate_up, whose caller takes SiLU-and-mul of y next): on a batch with a tile map and
-        KernelChoices.lora_expand_in_consumers, delta is a PendingExpand instead, the expand left for that
-        kernel to run (PendingExpand.silu_and_mul)."""
-        w = self.lora
-        if w is None or lora_info is None or lora_info.max_rank == 0 or not x.is_cuda:
-            return self.forward(x, lora_info), None
-        if self.lora_tp.world_size > 1:       # fully sharded: a collective between shrink and expand
-            return self.forward(x, lora_info), None
-        if silu_and_mul_next and lora_info.tile_map is not None and self.kernels.lora_expand_in_consumers:
-            assert self.input_shard is None, "a row-parallel shard's expand belongs before its all-reduce"
-            return self._forward_lora_cuda(x, lora_info, defer=False, bias=self.bias, pending=True)
-        if (self.tp.world_size > 1 or w.lora_stream is None or not lora_info.overlap or lora_info.max_seg_len != 1
-                or x.shape[0] > MAX_DEFERRED_TOKENS):
-            return self.forward(x, lora_info), None
-        return self._forward_lora_cuda(x, lora_info, defer=True, bias=self.bias)
-
-    def _forward_lora_cuda(self, x: torch.Tensor, info: LoRABatchInfo, defer: bool, bias: torch.Tensor | None,
-                           pending: bool = False) -> tuple[torch.Tensor, torch.Tensor | PendingExpand | None]:
-        """Base GEMM (with `bias`) and LoRA on the GPU; returns (y, delta), delta None unless `defer` (the
-        float32 delta) or `pending` (no expand here: a PendingExpand for the next kernel).
-
-        The base GEMM and the LoRA shrink both read only x, so with a side stream (CUDA-graph batches only:
-        LoRABatchInfo.overlap) the shrink runs there while the GEMM runs. Deferred (decode steps), the expand
-        runs there too, writing the float32 delta (write mode: zeros on base-only rows), and only the join is
-        left on the critical path; otherwise the expand adds into y after the join. Without a side stream
-        everything runs in line.
-
-        Stream order keeps the buffers safe: the side stream starts after everything already queued here,
-        so a shrink cannot overwrite an xa an earlier expand still reads, and this stream waits for the
-        side stream before anything after it can reuse x. A deferred delta is allocated on the side stream
-        and read here: the caller keeps it until its consumer is queued, and any later allocation on the
-        side stream follows a fork from after that point. Inside graph capture the fork and join are edges."""
-        from worker.kernels import lora_expand as expand   # Triton; imported here so CPU installs need none
-        from worker.kernels import lora_shrink as shrink
-        w = self.lora
-        shrink_kw, expand_kw = {}, {}
-        if info.tile_map is not None:     # a decode graph's rows grouped by adapter
-            shrink_cfg, split_k = shrink.grouped_config(x.shape[1], self.slice_offsets[-1])
-            shrink_kw = dict(config=shrink_cfg, split_k=split_k, tile_map=info.tile_map)
-            expand_kw = dict(config=expand.grouped_config(w.b.shape[2]), tile_map=info.tile_map)
-        side = w.lora_stream if info.overlap else None
-        assert side is not None or not defer
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(x.device))
-        delta = None
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            xa = shrink.lora_shrink(x, w.a, info.seg_indptr, info.seg_lora_slots, info.ranks, w.num_slices,
-                                    info.num_segments, info.max_seg_len, **shrink_kw)
-            if defer:
-                delta = torch.empty(x.shape[0], self.slice_offsets[-1], dtype=torch.float32, device=x.device)
-                expand.lora_expand(delta, xa, w.b, info.seg_indptr, info.seg_lora_slots, info.ranks, w.scalings,
-                                   w.slice_offsets, info.num_segments, info.max_seg_len, accumulate=False,
-                                   **expand_kw)
-        y = project(x, self.weight, bias, self.kernels, beside_lora=side is not None)
-        if side is not None:
-            torch.cuda.current_stream(x.device).wait_stream(side)
-        if pending:
-            return y, PendingExpand(xa, w, info)
-        if not defer:
-            expand.lora_expand(self._lora_rows(y), self._whole_xa(xa), w.b, info.seg_indptr, info.seg_lora_slots,
-                               info.ranks, w.scalings, w.slice_offsets, info.num_segments, info.max_seg_len,
-                               **expand_kw)
-        return y, delta

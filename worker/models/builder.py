@@ -1,6 +1,7 @@
 """Architecture name -> model class, and building a model from a directory."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -8,7 +9,8 @@ from torch import nn
 
 from worker.config import KernelConfig
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
-from worker.layers.kernel_choices import KernelChoices
+from worker.kernels.choices import KernelChoices
+from worker.layers.lora.backend import choose_backend
 from worker.models.dummy import init_dummy_weights
 from worker.arch import ArchConfig
 from worker.models.llama import LlamaForCausalLM
@@ -29,13 +31,15 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
                 max_positions: int, kernels: KernelConfig, seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
     """The model of the checkpoint directory `path` on `device`, its layers built with `kernels` resolved for
-    the device (layers/kernel_choices.py; before any CUDA-graph capture), this rank's share of it under `tp`."""
+    the device (kernels/choices.py, with the LoRA backend of layers/lora/backend.py; before any CUDA-graph
+    capture), this rank's share of it under `tp`."""
     cfg = ArchConfig.from_dir(path)
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"Model architecture {cfg.architecture!r} is not supported; "
                          f"supported architectures: {sorted(MODEL_CLASSES)}")
-    choices = KernelChoices.resolve(kernels, device)
+    choices = dataclasses.replace(KernelChoices.resolve(kernels, device),
+                                  lora=choose_backend(kernels.lora_backend, device))
     with torch.device(device):
         model = cls(cfg, dtype, max_positions, choices, tp)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3.x, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
 
 Our own modules: fused qkv and gate_up projections, paged attention, LoRA on every projection. `kernels`
-(layers/kernel_choices.py) is handed to every layer that launches a kernel, `tp` (distributed/tensor_parallel.py) to
+(kernels/choices.py) is handed to every layer that launches a kernel, `tp` (distributed/tensor_parallel.py) to
 every layer that holds a shard: qkv and gate_up column-parallel, o and down row-parallel (one all-reduce each),
 heads and KV heads split across ranks, embedding and LM head vocab-parallel.
 """
@@ -12,10 +12,12 @@ from torch import nn
 
 from worker.batch import ForwardBatch
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
+from worker.kernels.choices import KernelChoices
+from worker.layers.activation import SiluAndMul
 from worker.layers.attention import Attention
 from worker.layers.embedding import Embedding, LMHead
-from worker.layers.kernel_choices import KernelChoices
-from worker.layers.linear import Linear, PendingExpand
+from worker.layers.linear import Linear
+from worker.layers.lora.deferred import Deferred
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.arch import ArchConfig
@@ -39,20 +41,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear.row_parallel(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype, kernels, tp)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, rotary, kernels)
+        qk_norm = (self.q_norm, self.k_norm) if cfg.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, rotary, kernels, qk_norm)
 
-    def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [num_tokens, hidden] -> (o_proj output, its deferred LoRA delta or None)."""
-        c, q_size, kv_size = self.cfg, self.q_size, self.kv_size
-        # the qkv LoRA delta, when deferred, is added by the rotary + K/V write kernel, before the q/k norms
-        qkv, qkv_delta = self.qkv_proj.forward_deferred(x, batch.lora)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, c.head_dim)        # [num_tokens, this rank's heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, c.head_dim)     # [num_tokens, this rank's KV heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, c.head_dim)
-        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
-        out = self.attn(q, k, v, kv_cache, batch, qkv_delta, qk_norm)
-        return self.o_proj.forward_deferred(out.reshape(-1, q_size), batch.lora)
+    def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> torch.Tensor | Deferred:
+        """x: [num_tokens, hidden] -> the o_proj output [num_tokens, hidden] (projections may hand their LoRA delta
+        to the next kernel: layers/lora/deferred.py)."""
+        qkv = self.qkv_proj(x, batch.lora)
+        return self.o_proj(self.attn(qkv, kv_cache, batch), batch.lora)
 
 
 class LlamaMLP(nn.Module):
@@ -67,25 +63,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear.column_parallel(cfg.hidden_size, [i, i], [shard, shard], cfg.mlp_bias, dtype,
                                                    kernels)
         self.down_proj = Linear.row_parallel(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels, tp, reduce_results)
-        self.kernels = kernels
+        self.act = SiluAndMul(kernels)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: [num_tokens, hidden] -> (down_proj output, its deferred LoRA delta or None)."""
-        gate_up, delta = self.gate_up_proj.forward_deferred(x, batch.lora, silu_and_mul_next=True)   # [T, 2I]
-        if isinstance(delta, PendingExpand):      # the LoRA expand runs inside the SiLU-and-mul
-            act = delta.silu_and_mul(gate_up)
-        elif gate_up.is_cuda:   # Triton kernel; imported here so CPU-only installs need no triton
-            from worker.kernels.fused import silu_and_mul
-            act = silu_and_mul(gate_up, delta, self.kernels.programmatic_launch)
-        else:
-            from worker.kernels.reference import silu_and_mul
-            act = silu_and_mul(gate_up)
-        return self.down_proj.forward_deferred(act, batch.lora)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | Deferred:
+        """x: [num_tokens, hidden] -> the down_proj output [num_tokens, hidden]."""
+        return self.down_proj(self.act(self.gate_up_proj(x, batch.lora)), batch.lora)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Attention, then `mlp` (called as mlp(x, batch) -> (y, deferred LoRA delta or None)): a LlamaMLP or a
-    sparse MoE block (layers/sparse_moe.py)."""
+    """Attention, then `mlp` (called as mlp(x, batch) -> y): a LlamaMLP or a sparse MoE block
+    (layers/sparse_moe.py)."""
 
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices,
                  mlp: nn.Module, tp: TensorParallel = SINGLE):
@@ -95,20 +82,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
-    def forward(self, h: torch.Tensor, h_lora: torch.Tensor | None, residual: torch.Tensor | None, kv_cache,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """h: this layer's input delta, h_lora: the LoRA output still to be added to it (or None);
-        residual: the running sum before it (None at layer 0). Returns (the MLP output, its LoRA output
-        still to be added, the running sum before it); each add is fused into the next norm."""
+    def forward(self, h: torch.Tensor | Deferred, residual: torch.Tensor | None, kv_cache,
+                batch: ForwardBatch) -> tuple[torch.Tensor | Deferred, torch.Tensor]:
+        """h: the previous layer's output (the embeddings at layer 0), residual: the running sum before it (None
+        at layer 0). Returns (this layer's MLP output, the running sum before it); each add is fused into the
+        next norm."""
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
         else:
-            x = self.input_layernorm(h, residual, h_lora)
-        h, h_lora = self.self_attn(x, kv_cache, batch)
-        x = self.post_attention_layernorm(h, residual, h_lora)
-        h, h_lora = self.mlp(x, batch)
-        return h, h_lora, residual
+            x = self.input_layernorm(h, residual)
+        h = self.self_attn(x, kv_cache, batch)
+        x = self.post_attention_layernorm(h, residual)
+        return self.mlp(x, batch), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,10 +148,10 @@ class LlamaForCausalLM(nn.Module):
         """Returns logits [num_logits, vocab] (float32) for batch.logits_indices, written into `out` when given
         (the CUDA graphs' shared logits buffer)."""
         h = self.embed_tokens(batch.input_ids)                     # [num_tokens, hidden]
-        h_lora, residual = None, None
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, h_lora, residual = layer(h, h_lora, residual, kv_cache, batch)
+            h, residual = layer(h, residual, kv_cache, batch)
         rows = batch.logits_indices
-        h = self.norm(h[rows], residual[rows], None if h_lora is None else h_lora[rows])   # [num_logits, hidden]
+        h = self.norm(h[rows], residual[rows])                      # [num_logits, hidden]
         logits = self.lm_head(h)                                    # [num_logits, vocab]
         return logits.float() if out is None else out.copy_(logits)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers.kernel_choices import KernelChoices
+from worker.kernels.choices import KernelChoices
 from worker.layers.linear import Linear
 from worker.layers.sparse_moe import SparseMoE
 from worker.models.llama import LlamaForCausalLM, LlamaMLP

@@ -39,12 +39,28 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every checkpoint tensor the model takes, by our name -> (its module, the tensor's name there): the tensors a
+    module's weight scheme names (`checkpoint_tensors`: Linear, FusedExperts; layers/weights/), and the parameters
+    of every other module."""
+    targets: dict[str, tuple[nn.Module, str]] = {}
+    for module_name, module in model.named_modules():
+        if hasattr(module, "checkpoint_tensors"):
+            for tensor in module.checkpoint_tensors():
+                targets[f"{module_name}.{tensor}"] = (module, tensor)
+    for name, _ in model.named_parameters():
+        module_name, _, param = name.rpartition(".")
+        targets.setdefault(name, (model.get_submodule(module_name), param))
+    return targets
+
+
 def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Fill every parameter of `model` from the checkpoint; q/k/v and gate/up go into fused slices. A module with
-    `load_shard` (Linear, the vocab-parallel embedding and LM head, the fused experts) is handed the whole checkpoint
-    tensor and copies its share: this rank's shard under tensor parallelism (layers/linear.py, layers/embedding.py,
-    layers/sparse_moe.py); per-expert matrices go through FusedExperts.load_expert, which keeps the share too."""
-    params = dict(model.named_parameters())
+    """Fill every checkpoint tensor `model` takes (checkpoint_targets); q/k/v and gate/up go into fused slices. A
+    module with `load_shard` (Linear, the vocab-parallel embedding and LM head, the fused experts) is handed the
+    whole checkpoint tensor and copies its share: this rank's shard under tensor parallelism (layers/linear.py,
+    layers/embedding.py, layers/sparse_moe.py), in the form its weight scheme holds; per-expert matrices go through
+    FusedExperts.load_expert, which keeps the share too. A tensor no module takes is refused by name."""
+    targets = checkpoint_targets(model)
     loaded: set[str] = set()
     expert_parts: Counter[str] = Counter()       # fused expert parameter -> per-expert matrices loaded
     for hf_name, tensor in iter_checkpoint(model_dir):
@@ -53,24 +69,22 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             continue
         expert = _EXPERT.match(target[0])
         if expert is not None:
-            expert_parts[_load_expert(model, params, expert, tensor, hf_name)] += 1
+            expert_parts[_load_expert(model, targets, expert, tensor, hf_name)] += 1
             continue
         name, shard = target
-        if name not in params:
+        if name not in targets:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
-        module_name, _, param = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        tensor = tensor.to(params[name].dtype)
+        module, param = targets[name]
         if hasattr(module, "load_shard"):
             module.load_shard(param, shard, tensor)
         else:
-            _copy(params[name], tensor, hf_name)
+            _copy(getattr(module, param), tensor, hf_name)
         loaded.add(name)
     num_experts = model.cfg.num_experts
     loaded |= {name for name, n in expert_parts.items()
                if n == (2 * num_experts if name.endswith("gate_up_proj") else num_experts)}
     tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
-    missing = set(params) - loaded - tied
+    missing = set(targets) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     logger.info("loaded %d tensors from %s", len(loaded), model_dir)
@@ -91,13 +105,14 @@ def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None] | None:
     return name, None
 
 
-def _load_expert(model: nn.Module, params: dict, match: re.Match, tensor: torch.Tensor, hf_name: str) -> str:
-    """One expert's gate, up or down matrix into the fused expert parameters; returns the parameter's name."""
+def _load_expert(model: nn.Module, targets: dict, match: re.Match, tensor: torch.Tensor, hf_name: str) -> str:
+    """One expert's gate, up or down matrix into the fused experts; returns the fused tensor's name."""
     layer, expert, part = int(match.group(1)), int(match.group(2)), _EXPERT_PART[match.group(3)]
     name = f"layers.{layer}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
-    if name not in params or expert >= model.cfg.num_experts:
+    if name not in targets or expert >= model.cfg.num_experts:
         raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
-    model.get_submodule(name.rpartition(".")[0]).load_expert(name, expert, part, tensor.to(params[name].dtype))
+    module, _ = targets[name]
+    module.load_expert(name, expert, part, tensor)
     return name
 
 

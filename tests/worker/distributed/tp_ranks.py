@@ -19,7 +19,7 @@ from worker.batch import ForwardBatch, LoRABatchInfo
 from worker.config import KernelConfig
 from worker.lora.shards import shard_adapter, shard_loras_fully
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel, init_tensor_parallel
-from worker.layers.kernel_choices import KernelChoices
+from worker.kernels.choices import KernelChoices
 from worker.lora.adapter import read_adapter
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.models.dummy import init_dummy_weights

@@ -19,9 +19,11 @@ class KernelChoices:
     skinny_row_limit: int = 0          # larger ones up to this many kernels/skinny_gemm.py (0: none); cuBLAS above
     programmatic_launch: bool = False  # Triton kernels launch with PDL (kernels/pdl.py); True only where the
                                        # device has it
-    lora_expand_in_consumers: bool = False   # KernelConfig's: gate_up's LoRA expand inside the SiLU-and-mul
     skinny_counters: torch.Tensor | None = None   # [skinny_gemm.NUM_COUNTERS] int32, the arrival counters every
                                                   # skinny_gemm launch on the device shares (None: no skinny GEMM)
+    # the LoRA backend (layers/lora/backend.py: KernelConfig.lora_backend chosen for the device), set by
+    # models/builder.build_model; what every projection and sparse MoE block asks for its LoRA part
+    lora: "LoRABackend | None" = None   # noqa: F821  (layers/ sits above kernels/: named, not imported)
 
     @classmethod
     def resolve(cls, config: KernelConfig, device: torch.device) -> KernelChoices:
@@ -35,5 +37,4 @@ class KernelChoices:
                 raise ValueError(f"KernelConfig.{name}={rows} is above what the kernel takes ({limit})")
         return cls(gemv_row_limit=config.gemv_row_limit, skinny_row_limit=config.skinny_row_limit,
                    programmatic_launch=pdl.active(device, config.programmatic_launch),
-                   lora_expand_in_consumers=config.lora_expand_in_consumers,
                    skinny_counters=skinny_gemm.new_counters(device) if config.skinny_row_limit else None)

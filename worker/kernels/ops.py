@@ -1,0 +1,101 @@
+"""The one place where an operation picks its device's kernels: the Triton kernels on CUDA, the torch references
+(kernels/reference.py) elsewhere. Layers call these and never branch on the device; Triton is imported on the
+first CUDA call, so CPU installs need none.
+
+`delta` arguments are a projection's LoRA output left to the kernel that reads the projection next
+(layers/lora/deferred.py): [num_tokens, out_features] float32, added as round(y + delta), exactly what the expand
+would have written. Deltas are deferred on CUDA only (the Triton LoRA backend), so the references never see one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.batch import ForwardBatch
+from worker.kernels import reference
+from worker.kernels.choices import KernelChoices
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelChoices,
+           beside_lora: bool = False) -> torch.Tensor:
+    """x @ weight^T (+ bias): on a GPU, at most `kernels.gemv_row_limit` rows go through the small-batch kernel
+    (kernels/gemv.py: no split-K, W read once at full bandwidth), up to `kernels.skinny_row_limit` through
+    kernels/skinny_gemm.py (tensor-core tiles with W as the wide operand), everything else through cuBLAS
+    (the CPU: torch). beside_lora: LoRA kernels run on a second stream beside this projection; the GEMV then does
+    not launch early (kernels/gemv.py)."""
+    rows = x.shape[0]
+    gemv_rows, skinny_rows = kernels.gemv_row_limit, kernels.skinny_row_limit
+    if x.is_cuda and 0 < rows <= max(gemv_rows, skinny_rows) and x.stride(1) == 1 and weight.is_contiguous():
+        if rows <= gemv_rows:
+            from worker.kernels.gemv import gemv
+            return gemv(x, weight, bias, programmatic_launch=kernels.programmatic_launch,
+                        early_launch=not beside_lora)
+        from worker.kernels.skinny_gemm import skinny_gemm
+        return skinny_gemm(x, weight, bias, kernels.skinny_counters, programmatic_launch=kernels.programmatic_launch)
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+             delta: torch.Tensor | None, kernels: KernelChoices) -> torch.Tensor:
+    """RMSNorm of x (+ delta) over its last dim, in float32 and rounded back; with `residual` ([T, D]) it
+    becomes x + residual in place and the norm is taken of that sum (kernels/fused.py: one launch)."""
+    if x.is_cuda:
+        from worker.kernels import fused
+        return fused.rms_norm(x, weight, eps, residual, delta, kernels.programmatic_launch)
+    assert delta is None, "deferred LoRA deltas exist on CUDA only"
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None, kernels: KernelChoices) -> torch.Tensor:
+    """[T, 2I] (gate | up, + delta) -> silu(gate) * up [T, I]."""
+    if x.is_cuda:
+        from worker.kernels import fused
+        return fused.silu_and_mul(x, delta, kernels.programmatic_launch)
+    assert delta is None, "deferred LoRA deltas exist on CUDA only"
+    return reference.silu_and_mul(x)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_delta: torch.Tensor | None,
+              kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+              scale: float, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+              kernels: KernelChoices) -> torch.Tensor:
+    """Paged attention of one layer: q and k (+ their part of qkv_delta) normed per head (qk_norm: Qwen3's
+    (q_norm weight, k_norm weight, eps)), rotated, this step's K/V written into the cache, then attended.
+    q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq, D]. On CUDA the first steps are one kernel (fused.rotary_store_kv)."""
+    k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
+    if q.is_cuda:
+        from worker.kernels.attention import paged_attention
+        from worker.kernels.fused import rotary_store_kv
+        pdl = kernels.programmatic_launch
+        rotary_store_kv(batch.positions, q, k, v, cos, sin, k_cache, v_cache, batch.kv_slot_mapping, qkv_delta,
+                        programmatic_launch=pdl, qk_norm=qk_norm)
+        return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                               scale, batch.num_seqs, batch.max_query_len, programmatic_launch=pdl)
+    assert qkv_delta is None, "deferred LoRA deltas exist on CUDA only"
+    if qk_norm is not None:
+        q, k = reference.rms_norm(q, qk_norm[0], qk_norm[2]), reference.rms_norm(k, qk_norm[1], qk_norm[2])
+    reference.rotary(batch.positions, q, k, cos, sin)
+    reference.store_kv(k, v, k_cache, v_cache, batch.kv_slot_mapping)
+    return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,
+                                     batch.seq_lens_host, scale)
+
+
+def host_routing(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                 float32_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts and weights ([num_tokens, top_k] each) as Hugging Face routes them: the weights
+    kept in float32 (Mixtral) or cast to the hidden dtype (Qwen)."""
+    weights, ids = reference.moe_route(logits, top_k, renormalize)
+    return (weights if float32_weights else weights.to(x.dtype)), ids
+
+
+def sparse_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                   renormalize: bool, float32_weights: bool, workspace, kernels: KernelChoices) -> torch.Tensor:
+    """sum over each token's top-k experts of weight * expert(x): x [T, H], logits [T, E], gate_up [E, 2I, H],
+    down [E, H, I] -> [T, H]. CUDA runs kernels/fused_moe.py once the model runner has attached its `workspace`
+    (kernels/fused_moe.MoEWorkspace); until then, and on the CPU, the reference routes on the host."""
+    if x.is_cuda and workspace is not None:
+        from worker.kernels.fused_moe import fused_moe
+        return fused_moe(x, logits, gate_up, down, top_k, renormalize, float32_weights, workspace,
+                         programmatic_launch=kernels.programmatic_launch)
+    weights, ids = host_routing(x, logits, top_k, renormalize, float32_weights)
+    return reference.moe_experts(x, gate_up, down, weights, ids)

@@ -1,0 +1,73 @@
+"""How a projection holds its base weight: a weight scheme (unquantized today; FP8 per-channel and block-wise
+next). The layer keeps the shapes and the tensor-parallel geometry (which rows or columns of the checkpoint's
+tensor this rank holds); the scheme says which checkpoint tensors it takes, creates their parameters, copies this
+rank's share of each into place, and multiplies. The weight loader and `--load-format dummy` go through it, so a
+checkpoint tensor the scheme names (`weight_scale`, ...) has a place, and one it does not name is refused.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from worker.layers.linear import Linear
+    from worker.layers.sparse_moe import FusedExperts
+
+
+class LinearScheme(ABC):
+    """The base weight of a `Linear` (layers/linear.py): y = x @ W^T (+ bias), W as the scheme holds it."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        """Register the parameters of this rank's share on `layer` (its `slice_offsets[-1]` output rows and
+        `in_features` columns)."""
+
+    @abstractmethod
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        """The names of the checkpoint tensors a projection takes, besides its bias: ("weight",), ..."""
+
+    @abstractmethod
+    def full_shape(self, layer: Linear, name: str) -> tuple[int, ...]:
+        """The shape of the whole checkpoint tensor `name` of which `layer` holds a share."""
+
+    @abstractmethod
+    def load(self, layer: Linear, name: str, shard: int | None, tensor: torch.Tensor) -> None:
+        """Copy this rank's share of the checkpoint tensor `name` (of fused slice `shard`; None: every slice, or an
+        unfused projection) into place."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None,
+              beside_lora: bool = False) -> torch.Tensor:
+        """x: [num_tokens, in_features] -> x @ W^T (+ bias): [num_tokens, out_features]. beside_lora: LoRA kernels
+        run on a second stream meanwhile (kernels/ops.linear)."""
+
+
+class ExpertsScheme(ABC):
+    """The base weights of a sparse MoE block's experts (`FusedExperts`, layers/sparse_moe.py): gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I] as the scheme holds them."""
+
+    @abstractmethod
+    def create_weights(self, experts: FusedExperts, dtype: torch.dtype) -> None:
+        """Register the parameters of this rank's share of every expert on `experts`."""
+
+    @abstractmethod
+    def checkpoint_tensors(self) -> tuple[str, ...]:
+        """The fused checkpoint tensors the experts take: ("gate_up_proj", "down_proj"), ..."""
+
+    @abstractmethod
+    def full_shape(self, experts: FusedExperts, name: str) -> tuple[int, ...]:
+        """The shape of the whole fused checkpoint tensor `name`."""
+
+    @abstractmethod
+    def load(self, experts: FusedExperts, name: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's share of a whole fused checkpoint tensor into place."""
+
+    @abstractmethod
+    def load_expert(self, experts: FusedExperts, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's share of one expert's checkpoint matrix (part "gate", "up" or "down") into place."""
+
+    @abstractmethod
+    def matrices(self, experts: FusedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype, as the expert kernels read them."""
