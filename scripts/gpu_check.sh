@@ -132,7 +132,7 @@ for stage in $stages; do
                    # server flags; the worker logs its steps' paths every 10 s
              [ -d /tmp/tok-128256 ] || python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok-128256
              python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-sweep --num 64 --rank 16 > /dev/null 2>&1
-             LORAPLEX_STEP_LOG_S=10 python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \
+             python3 -m gateway serve --model $MODEL --tokenizer /tmp/tok-128256 --load-format dummy --max-model-len 4096 \
                --port 8100 --uvicorn-log-level warning --max-num-seqs 512 --max-loras 64 ${SERVER_ARGS:-} \
                --lora-modules $(for a in /tmp/adapters-sweep/*; do echo "${a##*/}=$a"; done) >> "$OUT/sweep.log" 2>&1 &
              pid=$!

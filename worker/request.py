@@ -84,10 +84,6 @@ class Request:
         this state ends when its pending token arrives, whatever that token is."""
         return self.num_generated >= self.params.max_tokens or self.num_tokens >= self.max_model_len
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Known token ids of positions [start, end); a pending token at the end is left out."""
         p = len(self.prompt_token_ids)

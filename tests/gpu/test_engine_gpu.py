@@ -109,6 +109,11 @@ def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
     assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, f"{arch} grouped")
 
 
+# eight prompts of ~200 tokens: one mixed step of ~1,600 tokens (the tiny models hold 256 positions)
+LONG_ROWS = [(200, None), (190, "r4-qv"), (210, "r8-all"), (180, "r16-mlp-rs"), (205, "r8-all"), (195, None),
+             (215, "r4-qv"), (185, "r8-all")]
+
+
 def test_mixed_graphs_above_1024_tokens_run_lora_from_the_tile_map_and_match_hf_peft(hf_models):
     """A prefill step of ~1,600 tokens with adapters replays a mixed graph whose LoRA runs over the host's tile
     map (KernelConfig.lora_tile_map_max_tokens covers every mixed graph since searched tiles cost 4x more at

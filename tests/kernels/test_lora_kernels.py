@@ -356,6 +356,14 @@ def test_split_k_and_host_tile_map_give_the_reference_result(dtype, scenario, ti
         _assert_close(xa.sum(0)[rows], xa_ref[rows], torch.float32 if dtype == torch.float32 else torch.float16)
 
 
+CONFIGS = [(dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, num_warps=4, num_stages=1),
+            dict(BLOCK_M=1, BLOCK_N=32, BLOCK_R=16, BLOCK_R_HIGH=16, num_warps=4, num_stages=1)),
+           (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
+            dict(BLOCK_M=16, BLOCK_N=16, BLOCK_R=16, BLOCK_R_HIGH=32, num_warps=4, num_stages=2)),
+           (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=8, num_stages=3),
+            dict(BLOCK_M=32, BLOCK_N=64, BLOCK_R=16, BLOCK_R_HIGH=64, num_warps=8, num_stages=2))]
+
+
 @pytest.mark.parametrize("configs", CONFIGS, ids=["gemv", "tiles-16", "tiles-32"])
 @pytest.mark.parametrize("scenario", ["decode-zipf-R128", "prefill-zipf-ranks4+16"])
 def test_any_launch_config_gives_the_reference_result(scenario, configs):

@@ -12,6 +12,7 @@ from tests.hf_fixtures import ADAPTERS, adapter_dir
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
+from tests.worker.lora.slot_refs import refcount
 
 
 def make_engine(model_dir, adapters_of=None, **kw) -> Engine:
@@ -154,7 +155,7 @@ def test_abort_frees_blocks_and_adapter_reference(llama):
     engine.abort_request("b")
     assert engine.scheduler.blocks.num_free == free
     assert not engine.has_unfinished() and engine.num_running == 0
-    assert all(engine.scheduler.slots.refcount(r) == 0 for r in engine.adapters.refs.values())
+    assert all(refcount(engine.scheduler.slots, r) == 0 for r in engine.adapters.refs.values())
     assert engine.abort_request("a") is None
 
 

@@ -138,11 +138,6 @@ class ShmRing:
         """Wake the consumer (covers every frame published so far)."""
         self._signal()
 
-    def try_get(self) -> bytes | None:
-        """The oldest unread frame, or None if the ring is empty."""
-        frames = self.get_many(max_frames=1)
-        return frames[0] if frames else None
-
     def get_many(self, max_frames: int | None = None) -> list[bytes]:
         """Every unread frame (at most `max_frames`), oldest first; frees their space at once."""
         assert self.role == "consumer"

@@ -7,6 +7,7 @@ the layers run the torch references (kernels/reference.py) and need no Triton.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ class KernelChoices:
                                                   # skinny_gemm launch on the device shares (None: no skinny GEMM)
     # the LoRA backend (layers/lora/backend.py: KernelConfig.lora_backend chosen for the device), set by
     # models/builder.build_model; what every projection and sparse MoE block asks for its LoRA part
-    lora: "LoRABackend | None" = None   # noqa: F821  (layers/ sits above kernels/: named, not imported)
+    lora: Any = None   # a layers/lora/backend.LoRABackend (layers/ sits above kernels/: named, not imported)
 
     @classmethod
     def resolve(cls, config: KernelConfig, device: torch.device) -> KernelChoices:

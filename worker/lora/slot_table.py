@@ -111,10 +111,6 @@ class SlotTable:
         slot = self._slots.get(ref)
         return slot is not None and self._loading[slot]
 
-    def refcount(self, ref: AdapterRef) -> int:
-        slot = self._slots.get(ref)
-        return 0 if slot is None else self._refcounts[slot]
-
     @property
     def num_used(self) -> int:
         return len(self._slots)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,7 +35,7 @@ class StepFollowers(Protocol):
     def step(self, batch: ScheduledBatch) -> None: ...
 
 logger = logging.getLogger(__name__)
-STEP_LOG_INTERVAL_S = float(os.environ.get("LORAPLEX_STEP_LOG_S", 60.0))   # benchmarks of runs under a minute set it
+STEP_LOG_INTERVAL_S = 60.0     # the step-path counters are logged at most this often
 
 
 class StepPaths:

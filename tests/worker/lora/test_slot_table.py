@@ -4,6 +4,7 @@ import pytest
 
 from worker.lora.slot_table import SlotTable
 from worker.request import AdapterRef
+from tests.worker.lora.slot_refs import refcount
 
 A, B, C = AdapterRef("a", 1), AdapterRef("b", 1), AdapterRef("c", 1)
 
@@ -12,7 +13,7 @@ def test_first_acquire_loads_and_second_reuses():
     table = SlotTable(2)
     assert table.acquire(A) == (0, True)
     assert table.acquire(A) == (0, False)
-    assert table.refcount(A) == 2
+    assert refcount(table, A) == 2
     assert table.acquire(B) == (1, True)
 
 
@@ -20,7 +21,7 @@ def test_released_adapter_is_reused_without_load():
     table = SlotTable(2)
     table.acquire(A)
     table.release(A)
-    assert table.refcount(A) == 0 and table.slot_of(A) == 0
+    assert refcount(table, A) == 0 and table.slot_of(A) == 0
     assert table.acquire(A) == (0, False)
 
 
@@ -43,7 +44,7 @@ def test_refcount_protects_from_eviction():
     table.acquire(A)
     assert not table.can_acquire(B)
     assert table.acquire(B) is None
-    assert table.slot_of(A) == 0 and table.refcount(A) == 1
+    assert table.slot_of(A) == 0 and refcount(table, A) == 1
     assert table.can_acquire(A)
     table.acquire(A)
     table.release(A)
@@ -133,4 +134,4 @@ def test_random_ops_match_reference_model(policy, seed):
         assert got == (expected_slot, True)
         resident[ref] = {"slot": expected_slot, "refs": 1, "loaded": t, "released": t}
         for r, s in resident.items():
-            assert table.slot_of(r) == s["slot"] and table.refcount(r) == s["refs"]
+            assert table.slot_of(r) == s["slot"] and refcount(table, r) == s["refs"]

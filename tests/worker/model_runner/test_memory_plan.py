@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.model_runner.memory_plan import NON_TORCH_CAP_BYTES, GiB, MemoryLimits, MemoryPlanError, MiB, plan_memory
+from worker.model_runner.memory_plan import NON_TORCH_CAP_BYTES, GiB, MemoryLimits, MemoryPlanError, plan_memory
 from worker.model_runner.runner import profile_lengths
 
 LIMITS = MemoryLimits(gpu_memory_utilization=0.9, max_model_len=8192, max_num_seqs=256,

@@ -8,6 +8,7 @@ from worker.kv_cache.block_allocator import BlockAllocator
 from worker.lora.slot_table import SlotTable
 from worker.request import AdapterRef, Request, RequestStatus
 from worker.scheduler.scheduler import Scheduler
+from tests.worker.lora.slot_refs import refcount
 
 HOT, COLD = AdapterRef("hot", 1), AdapterRef("cold", 1)
 
@@ -61,7 +62,7 @@ class FakeRunner:
             kv = self.kv.setdefault(seq.request.request_id, [])
             assert seq.start == len(kv), "a step starts right after the cached tokens"
             kv.extend(seq.token_ids)
-            assert kv == seq.request.all_token_ids[:len(kv)]
+            assert kv == (seq.request.prompt_token_ids + seq.request.output_token_ids)[:len(kv)]
             assert seq.samples == (len(kv) == seq.request.num_tokens)
             if seq.samples:
                 sampled.append(fake_token(seq.request))
@@ -113,7 +114,7 @@ class FakeRunner:
         refs = {r.adapter for r in scheduler.running + scheduler.waiting} - {None}
         for ref in refs:
             users = sum(r.adapter == ref for r in scheduler.running)
-            assert scheduler.slots.refcount(ref) == users
+            assert refcount(scheduler.slots, ref) == users
 
     def _record(self, outputs):
         for request in outputs:
@@ -312,7 +313,7 @@ def test_distinct_adapters_never_exceed_slots_in_random_workload(max_loras, seed
     runner.run(arrivals)
     for request in requests:
         assert request.output_token_ids == expected_outputs(request)
-    assert all(scheduler.slots.refcount(a) == 0 for a in adapters if a is not None)
+    assert all(refcount(scheduler.slots, a) == 0 for a in adapters if a is not None)
 
 
 def test_abort_running_frees_blocks_and_slot_reference_immediately():
@@ -321,10 +322,10 @@ def test_abort_running_frees_blocks_and_slot_reference_immediately():
     request = make_request(0, 9, 5, HOT)
     scheduler.add_request(request)
     runner.step()
-    assert scheduler.blocks.num_free < scheduler.blocks.num_blocks and scheduler.slots.refcount(HOT) == 1
+    assert scheduler.blocks.num_free < scheduler.blocks.num_blocks and refcount(scheduler.slots, HOT) == 1
     assert scheduler.abort_request("r0") is request
     assert scheduler.blocks.num_free == scheduler.blocks.num_blocks
-    assert scheduler.slots.refcount(HOT) == 0 and scheduler.slots.slot_of(HOT) == 0
+    assert refcount(scheduler.slots, HOT) == 0 and scheduler.slots.slot_of(HOT) == 0
     assert request.status is RequestStatus.FINISHED and request.finish_reason == "abort"
     assert request.block_ids == [] and scheduler.num_running == 0
     assert scheduler.get_request("r0") is None and not scheduler.has_unfinished()
