@@ -28,6 +28,13 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
+def resolve_kernels(config: KernelConfig, device: torch.device) -> KernelChoices:
+    """`config` resolved for `device`: the kernel choices (kernels/choices.py) with the LoRA backend it names
+    (layers/lora/backend.py), what every layer of a model is built with."""
+    return dataclasses.replace(KernelChoices.resolve(config, device),
+                               lora=choose_backend(config.lora_backend, device))
+
+
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
                 max_positions: int, kernels: KernelConfig, seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
     """The model of the checkpoint directory `path` on `device`, its layers built with `kernels` resolved for
@@ -38,8 +45,7 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load
     if cls is None:
         raise ValueError(f"Model architecture {cfg.architecture!r} is not supported; "
                          f"supported architectures: {sorted(MODEL_CLASSES)}")
-    choices = dataclasses.replace(KernelChoices.resolve(kernels, device),
-                                  lora=choose_backend(kernels.lora_backend, device))
+    choices = resolve_kernels(kernels, device)
     with torch.device(device):
         model = cls(cfg, dtype, max_positions, choices, tp)
     with torch.no_grad():

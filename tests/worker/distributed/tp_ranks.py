@@ -19,12 +19,11 @@ from worker.batch import ForwardBatch, LoRABatchInfo
 from worker.config import KernelConfig
 from worker.lora.shards import shard_adapter, shard_loras_fully
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel, init_tensor_parallel
-from worker.kernels.choices import KernelChoices
 from worker.lora.adapter import read_adapter
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.models.dummy import init_dummy_weights
 from worker.arch import ArchConfig
-from worker.models.builder import MODEL_CLASSES
+from worker.models.builder import MODEL_CLASSES, resolve_kernels
 from worker.models.weight_loader import load_weights
 
 BLOCK_SIZE = 16
@@ -67,7 +66,7 @@ def build_model(case: Case, tp: TensorParallel) -> nn.Module:
     """The model class of the checkpoint's architecture (dense or MoE), this rank's shard of it."""
     cfg = ArchConfig.from_dir(case.model_dir)
     device = _device(case)
-    kernels = KernelChoices.resolve(KernelConfig(), device)
+    kernels = resolve_kernels(KernelConfig(), device)
     with device:
         model = MODEL_CLASSES[cfg.architecture](cfg, torch.float32, 128, kernels, tp)
     with torch.no_grad():
