@@ -98,7 +98,7 @@ def test_host_cache_without_a_bound_holds_what_half_the_available_memory_fits_on
 
 
 def test_host_cache_that_cannot_fit_fails_naming_the_flags_with_the_figures():
-    # the session-17 H100 run: 1,000 adapters in 80 MiB slots on a 128 GiB host, killed by the host before this
+    # a 1,000-adapter H100 server with 80 MiB slots on a 128 GiB host: killed by the host before this check
     with pytest.raises(MemoryPlanError) as e:
         host_cache_capacity(1000, SLOT, 1, 120 * GiB, 16)
     message = str(e.value)
