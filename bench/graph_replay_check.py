@@ -1,7 +1,7 @@
 """Diagnose a fault seen three times in bench.decode_step: an illegal memory access while the batch-32,
 32-adapter decode graph was replayed back to back (no input build between replays).
 
-Found (run L): decode_step gave its requests max_tokens = steps + 20, so while the last of the 32 adapters
+Found: decode_step gave its requests max_tokens = steps + 20, so while the last of the 32 adapters
 loaded, the first requests admitted decoded to the end and finished; the last steps ran fewer than 32 rows
 (a smaller graph bucket), and the timing replayed the 32-row graph over input rows no step had rebuilt:
 block tables of -1 (refilled every step) under stale sequence lengths, read at negative offsets into the KV

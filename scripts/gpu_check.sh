@@ -260,7 +260,7 @@ for stage in $stages; do
     loading-rate32)   # the same adapters and traffic at twice the arrival rate
              timeout 360 python3 -m bench.lora_loading --rate 32 --out "$OUT/lora_loading_rate32.json" \
                > "$OUT/loading_rate32.log" 2>&1 ;;
-    loading-nostreams)   # the zipf runs without the resident streams, as the first session measured them
+    loading-nostreams)   # the zipf runs without the resident streams (no long requests running through the traffic)
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
                --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \

@@ -19,7 +19,7 @@ import triton.language as tl
 from worker.kernels import pdl
 
 MAX_ROWS = 4      # rows of x one launch takes (the float32 products stay in registers); the engine sends it
-                  # at most KernelConfig.gemv_row_limit (why 2: BENCHMARKS.md, Decode step)
+                  # at most KernelConfig.gemv_row_limit (why 2: BENCHMARKS.md, Kernels)
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     early_launch=False: launched only once the previous kernel has ended, even with PDL, though it still lets
     the next kernel launch early. For a GEMV with LoRA kernels on a second stream beside it: its programs fill
     every SM's warp slots, so launched early they would keep those kernels off the SMs until the GEMV ends
-    (BENCHMARKS.md, Decode step, session 8)."""
+    (BENCHMARKS.md, Tried and dropped)."""
     y, num_rows, n, k = projection_output(x, weight, MAX_ROWS)
     if num_rows == 0:
         return y

@@ -14,7 +14,7 @@ every program of that one has called `launch_dependents()` (or ended). The kerne
 
 Kernels of other kinds (torch ops, cuBLAS, copies) before or after a PDL kernel keep their full dependency:
 the attribute only lets a kernel overlap the kernel just before it in the same stream, and CUDA-graph capture
-keeps those edges. Weight rows are not prefetched into L2 before the wait (slower: BENCHMARKS.md, run AW).
+keeps those edges. Weight rows are not prefetched into L2 before the wait (slower: BENCHMARKS.md, Tried and dropped).
 
 Each kernel wrapper takes `programmatic_launch` (default True; the layers pass KernelConfig's choice) and
 launches with PDL where `active()` says the device has it. Under the Triton interpreter (CPU) the kernels
