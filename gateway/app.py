@@ -44,7 +44,7 @@ def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = 
 
     runtime_loading = lora.routes if config.allow_runtime_lora_updating else []
     if runtime_loading:
-        logger.warning("Runtime LoRA loading is on%s.", "" if config.lora_dirs else
+        logger.warning("Runtime LoRA loading is on%s.", "" if config.worker.lora.lora_dirs else
                        " and may read any path (no --lora-dir given)")
     app = Starlette(
         routes=[*completions.routes, *chat.routes, *models.routes, *runtime_loading, *adapters.routes,

@@ -29,9 +29,10 @@ class ServingContext:
         self.config = config
         self.client = client                     # gateway.worker_client.WorkerClient or a stand-in
         self.tokenizer = tokenizer
-        self.served_models = ServedModels(config.served_names, config.model, config.lora_dirs)
-        self.metrics = Metrics(config.served_names[0], config.max_loras, config.block_size,
-                               config.gpu_memory_utilization, config.enable_prefix_caching)
+        worker = config.worker
+        self.served_models = ServedModels(config.served_names, worker.model.path, worker.lora.lora_dirs)
+        self.metrics = Metrics(config.served_names[0], worker.lora.max_loras, worker.cache.block_size,
+                               worker.cache.gpu_memory_utilization, worker.cache.enable_prefix_caching)
         self.api_key = APIKey(config.api_key) if config.api_key else None
 
     @property

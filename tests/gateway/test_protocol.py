@@ -1,16 +1,10 @@
-"""Request decoding and validation, the error envelope, and the vLLM command line."""
-import argparse
+"""Request decoding and validation, and the error envelope."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from gateway.__main__ import build_parser
-from gateway.config import GatewayConfig, LoRAModulePath, parse_lora_module
 from gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_token_ids, decode_body,
                               resolve_max_tokens)
-from worker.config import CacheConfig, KernelConfig, LoRAConfig, SchedulerConfig
 from worker.ipc.messages import SamplingParams
 
 
@@ -120,115 +114,3 @@ def test_output_budget_errors(requested, prompt_len, message):
 def test_token_ids_are_checked(ids, message):
     with pytest.raises(APIError, match=message):
         check_token_ids(ids, 50)
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("sql=/a/sql", LoRAModulePath("sql", "/a/sql")),
-    ('{"name": "sql", "path": "/a/sql", "base_model_name": "base", "pinned": true}',
-     LoRAModulePath("sql", "/a/sql", "base", True)),
-    ('{"name": "sql", "path": "/a/sql"}', LoRAModulePath("sql", "/a/sql")),
-])
-def test_lora_modules_forms(text, expected):
-    assert parse_lora_module(text) == expected
-
-
-@pytest.mark.parametrize("text", ["sql", "=/a", '{"name": "x"}', "{bad json"])
-def test_bad_lora_module_is_rejected(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="--lora-modules"):
-        parse_lora_module(text)
-
-
-def test_serve_accepts_vllm_flags():
-    args = build_parser().parse_args([
-        "serve", "--model", "/m", "--served-model-name", "a", "b", "--lora-modules", "x=/x", "y=/y",
-        "--max-loras", "8", "--max-cpu-loras", "32", "--max-lora-rank", "64", "--max-model-len", "4096",
-        "--max-num-seqs", "128", "--max-num-batched-tokens", "8192", "--host", "0.0.0.0", "--port", "9000",
-        "--api-key", "k", "--device", "cpu", "--dtype", "bfloat16", "--load-format", "dummy", "--enforce-eager",
-        "--seed", "3", "--lora-dir", "/l1", "--lora-dir", "/l2", "--uvicorn-log-level", "warning",
-        "--block-size", "32", "--gpu-memory-utilization", "0.8", "--enable-lora", "--no-async-scheduling",
-        "--shutdown-timeout", "7"])
-    config = GatewayConfig.from_args(args)
-    assert config == GatewayConfig(
-        model="/m", served_model_names=("a", "b"), lora_modules=(LoRAModulePath("x", "/x"), LoRAModulePath("y", "/y")),
-        lora_dirs=("/l1", "/l2"), max_loras=8, max_cpu_loras=32, max_lora_rank=64, max_model_len=4096,
-        max_num_seqs=128, max_num_batched_tokens=8192, block_size=32, gpu_memory_utilization=0.8, device="cpu",
-        dtype="bfloat16", load_format="dummy", enforce_eager=True, async_scheduling=False, seed=3, host="0.0.0.0",
-        port=9000, api_key="k", uvicorn_log_level="warning", shutdown_timeout=7)
-    worker = config.worker_config()
-    assert (worker.model.path, worker.model.dtype, worker.model.load_format, worker.model.max_model_len) == \
-        ("/m", "bfloat16", "dummy", 4096)
-    assert (worker.lora.max_loras, worker.lora.max_cpu_loras, worker.lora.max_lora_rank) == (8, 32, 64)
-    assert (worker.scheduler.max_num_seqs, worker.scheduler.max_num_batched_tokens) == (128, 8192)
-    assert (worker.cache.block_size, worker.cache.gpu_memory_utilization, worker.device) == (32, 0.8, "cpu")
-    assert (worker.enforce_eager, worker.async_scheduling) == (True, False)
-
-
-def test_serve_defaults_name_the_model_by_its_path(monkeypatch):
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    args = build_parser().parse_args(["serve", "--model", "/m"])
-    config = GatewayConfig.from_args(args)
-    assert config.served_names == ("/m",) and config.tokenizer_path == "/m" and config.api_key is None
-    worker = config.worker_config()
-    assert (worker.lora, worker.scheduler, worker.cache) == (LoRAConfig(), SchedulerConfig(), CacheConfig())
-    assert worker.async_scheduling and not worker.enforce_eager
-
-
-@pytest.mark.parametrize("flags, late_launch", [([], True), (["--late-launch"], True), (["--no-late-launch"], False)])
-def test_late_launch_flag_reaches_the_worker(flags, late_launch):
-    config = GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m", *flags]))
-    assert config.late_launch is late_launch and config.worker_config().late_launch is late_launch
-
-
-def test_kernel_config_flag_sets_the_named_fields_and_keeps_the_rest():
-    config = GatewayConfig.from_args(build_parser().parse_args(
-        ["serve", "--model", "/m", "--kernel-config", '{"lora_expand_in_consumers": true, "skinny_row_limit": 16}']))
-    kernels = config.worker_config().kernels
-    assert kernels.lora_expand_in_consumers is True and kernels.skinny_row_limit == 16
-    assert kernels.lora_side_stream == KernelConfig().lora_side_stream
-    assert GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m"])).worker_config().kernels \
-        == KernelConfig()
-
-
-@pytest.mark.parametrize("value, message", [
-    ("{nope", "Invalid JSON for --kernel-config"),
-    ('{"lora_side_streams": false}', "Unknown --kernel-config field(s) lora_side_streams"),
-    ('{"skinny_row_limit": "16"}', "skinny_row_limit takes a int"),
-    ('{"lora_side_stream": 1}', "lora_side_stream takes a bool"),
-    ('{"all_reduce_kernel": "nccl"}', "all_reduce_kernel must be 'symm_mem' or 'triton'"),
-    ("[]", "non-empty JSON object")])
-def test_kernel_config_flag_refuses_bad_json_with_the_reason(capsys, value, message):
-    with pytest.raises(SystemExit) as caught:
-        build_parser().parse_args(["serve", "--model", "/m", "--kernel-config", value])
-    assert caught.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_bad_flag_value_exits_with_usage_error():
-    with pytest.raises(SystemExit) as caught:
-        build_parser().parse_args(["serve", "--model", "/m", "--lora-modules", "nonsense"])
-    assert caught.value.code == 2
-
-
-def test_python_m_gateway_has_the_serve_command():
-    done = subprocess.run([sys.executable, "-m", "gateway", "serve", "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "--lora-modules" in done.stdout and "--served-model-name" in done.stdout
-
-
-def test_demo_serves_the_assets_worker_demo_reports(monkeypatch):
-    import gateway.__main__ as cli
-    assets = {"model_dir": "/c/model", "served_model_name": "loraplex-demo",
-              "adapters": {"a": "/c/adapters/a", "b": "/c/adapters/b"}}
-    commands, served = [], []
-
-    def run(command, **kwargs):
-        commands.append(command)
-        return subprocess.CompletedProcess(command, 0, stdout="building...\n" + json.dumps(assets) + "\n")
-
-    monkeypatch.setattr(cli.subprocess, "run", run)
-    monkeypatch.setattr(cli, "serve", served.append)
-    cli.main(["demo", "--cache-dir", "/c", "--port", "9001", "--lora-modules", "extra=/x"])
-    assert commands == [[sys.executable, "-m", "worker.demo", "--cache-dir", "/c"]]
-    config = served[0]
-    assert (config.model, config.served_names, config.port) == ("/c/model", ("loraplex-demo",), 9001)
-    assert config.lora_modules == (LoRAModulePath("a", "/c/adapters/a"), LoRAModulePath("b", "/c/adapters/b"),
-                                   LoRAModulePath("extra", "/x"))
