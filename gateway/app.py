@@ -13,9 +13,9 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api_error import APIError
 from gateway.auth import AuthMiddleware
 from gateway.config import GatewayConfig
-from gateway.protocol import APIError
 from gateway.responses import json_response
 from gateway.routes import adapters, chat, completions, health, lora, models, tokenize
 from gateway.serving import ServingContext

@@ -7,11 +7,12 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import anyio
 from starlette.requests import Request
 
+from gateway.api_error import model_not_found
 from gateway.auth import APIKey
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
-from gateway.protocol import check_token_ids, model_not_found, resolve_max_tokens
 from gateway.request_body import default_max_body_bytes, read_json
+from gateway.request_validation import check_token_ids, resolve_max_tokens
 from gateway.served_models import ServedModels
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import AddRequest, RequestOutput, SamplingParams

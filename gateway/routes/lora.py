@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from gateway.api_error import APIError
+from gateway.request_types import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from gateway.served_models import check_adapter_name
 from gateway.serving import ServingContext
 

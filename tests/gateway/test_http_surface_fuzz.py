@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fake_worker_client import FakeWorkerClient
-from gateway.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+from gateway.request_types import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+                                   TokenizeRequest, UnloadLoRAAdapterRequest)
 from gateway_app import ADAPTER, ANSWER_IDS, BASE, serve
 from worker.config import LoRAConfig
 

@@ -12,9 +12,9 @@ import pytest
 from fake_worker_client import FakeWorkerClient
 from test_routes import BASE, MODEL_DIR, TOKENIZER, chat_body, events
 
+from gateway.api_error import APIError
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.protocol import APIError
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import AUTO_NEEDS_FLAGS, ToolChoice, parse_hermes
 from worker.config import ModelConfig, WorkerConfig

@@ -1,10 +1,12 @@
-"""Request decoding and validation, and the error envelope."""
+"""Request decoding and validation (request_validation.py, generation_request.py), the request types, and the error
+envelope."""
 import json
 
 import pytest
 
-from gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_token_ids, decode_body,
-                              resolve_max_tokens)
+from gateway.api_error import APIError
+from gateway.request_types import ChatCompletionRequest, CompletionRequest
+from gateway.request_validation import check_token_ids, decode_body, resolve_max_tokens
 from worker.ipc.messages import SamplingParams
 
 
