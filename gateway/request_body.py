@@ -50,7 +50,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, type_: type[T], limit: int) -> T:
-    """The body as `type_`: content type checked, size limited, decoded and validated (request_validation.decode_body)."""
+    """The body as `type_`: content type checked, size limited, decoded and validated
+    (request_validation.decode_body)."""
     check_content_type(request)
     return decode_body(await read_body(request, limit), type_)
 

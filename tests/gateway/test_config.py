@@ -73,10 +73,10 @@ def test_late_launch_flag_reaches_the_worker(flags, late_launch):
 
 def test_kernel_config_flag_sets_the_named_fields_and_keeps_the_rest():
     config = GatewayConfig.from_args(build_parser().parse_args(
-        ["serve", "--model", "/m", "--kernel-config", '{"lora_expand_in_consumers": true, "skinny_row_limit": 16}']))
+        ["serve", "--model", "/m", "--kernel-config", '{"lora_side_stream": false, "skinny_row_limit": 16}']))
     kernels = config.worker.kernels
-    assert kernels.lora_expand_in_consumers is True and kernels.skinny_row_limit == 16
-    assert kernels.lora_side_stream == KernelConfig().lora_side_stream
+    assert kernels.lora_side_stream is False and kernels.skinny_row_limit == 16
+    assert kernels.programmatic_launch == KernelConfig().programmatic_launch
     assert GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m"])).worker.kernels \
         == KernelConfig()
 
@@ -124,3 +124,43 @@ def test_demo_serves_the_assets_worker_demo_reports(monkeypatch):
     assert (config.worker.model.path, config.served_names, config.port) == ("/c/model", ("loraplex-demo",), 9001)
     assert config.lora_modules == (LoRAModulePath("a", "/c/adapters/a"), LoRAModulePath("b", "/c/adapters/b"),
                                    LoRAModulePath("extra", "/x"))
+
+
+SERVE_FLAGS = {
+    "--model", "--tokenizer", "--served-model-name", "--lora-modules", "--lora-dir", "--allow-runtime-lora-updating",
+    "--no-allow-runtime-lora-updating", "--enable-lora", "--max-loras", "--max-cpu-loras", "--max-lora-rank",
+    "--enable-lora-overlap-loading", "--no-enable-lora-overlap-loading", "--lora-eviction-policy",
+    "--fully-sharded-loras", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--max-logprobs",
+    "--block-size", "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "--device",
+    "--tensor-parallel-size", "-tp", "--dtype", "--load-format", "--enforce-eager", "--async-scheduling",
+    "--no-async-scheduling", "--late-launch", "--no-late-launch", "--kernel-config", "--seed", "--host", "--port",
+    "--api-key", "--max-request-body-bytes", "--shutdown-timeout", "--uvicorn-log-level", "-h", "--help"}
+
+
+def _options(command: str) -> set[str]:
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {option for action in subparsers.choices[command]._actions for option in action.option_strings}
+
+
+def test_serve_and_demo_take_vllm_flags_generated_from_the_config_fields():
+    assert _options("serve") == SERVE_FLAGS
+    assert _options("demo") == SERVE_FLAGS - {"--model"} | {"--cache-dir"}     # the demo builds its own model
+
+
+def test_the_gateway_and_worker_flags_not_set_above_reach_their_fields():
+    config = GatewayConfig.from_args(build_parser().parse_args([
+        "serve", "--model", "/m", "--tokenizer", "/t", "-tp", "2", "--fully-sharded-loras",
+        "--max-request-body-bytes", "4096", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--max-logprobs", "5", "--enable-prompt-tokens-details", "--no-allow-runtime-lora-updating"]))
+    assert (config.worker.model.tokenizer, config.tokenizer_path, config.worker.tensor_parallel_size) == ("/t", "/t", 2)
+    assert config.worker.lora.fully_sharded_loras and config.max_request_body_bytes == 4096
+    assert (config.enable_auto_tool_choice, config.tool_call_parser, config.max_logprobs) == (True, "hermes", 5)
+    assert config.enable_prompt_tokens_details and not config.allow_runtime_lora_updating
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_tensor_parallel_size_must_be_positive(capsys, value):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "/m", "-tp", value])
+    assert f"must be at least 1, got {value}" in capsys.readouterr().err

@@ -88,7 +88,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None,
                  token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """`prev_tokens`: the previous step's sampled ids on the device, where rows' pending tokens are.
-        `token_bitmask`: the grammars' allowed tokens (penalties_and_bans.apply_token_bitmask), None when no row has one."""
+        `token_bitmask`: the grammars' allowed tokens (penalties_and_bans.apply_token_bitmask), None when no row
+        has one."""
         # logits: [num_rows, vocab_size] float32 or bfloat16
         raw = logits.float()
         processed = self.process_logits(raw, rows, prev_tokens, token_bitmask)
