@@ -83,12 +83,16 @@ def positive_int(text: str) -> int:
 
 
 def _walk(config_type: type):
-    """(field, its Flag or None, the config dataclass it holds when it has no flag, else None) per field."""
+    """(field, its Flag or None, the config dataclass it holds when it has no flag, else None) per field. A field
+    holding a config dataclass is set by its own flag (`--kernel-config JSON`) or by its fields' flags, not both."""
     hints = typing.get_type_hints(config_type)
     for f in dataclasses.fields(config_type):
         spec = f.metadata.get(_KEY)
-        nested = hints[f.name] if spec is None and dataclasses.is_dataclass(hints[f.name]) else None
-        yield f, spec, nested
+        held = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
+        if spec is not None and held is not None and any(_KEY in g.metadata for g in dataclasses.fields(held)):
+            raise TypeError(f"{config_type.__name__}.{f.name} has its own flag {spec.names[0]}, so the flags of "
+                            f"{held.__name__}'s fields would never be read; declare one or the other")
+        yield f, spec, held if spec is None else None
 
 
 def _default_of(f: dataclasses.Field) -> Any:

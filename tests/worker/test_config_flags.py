@@ -73,6 +73,16 @@ def test_a_left_out_flag_is_not_on_the_parser_and_its_value_comes_from_the_names
     assert config_from_flags(Outer, args).path == "/set-later"
 
 
+@dataclass(frozen=True)
+class FlaggedWhole:
+    inner: Inner = field(default_factory=Inner, metadata=flag("--inner-json"))
+
+
+def test_a_config_field_with_its_own_flag_and_flagged_fields_is_refused():
+    with pytest.raises(TypeError, match="FlaggedWhole.inner has its own flag --inner-json"):
+        add_flags(argparse.ArgumentParser(), FlaggedWhole)
+
+
 @pytest.mark.parametrize("text, ok", [("1", True), ("3", True), ("0", False), ("-2", False)])
 def test_positive_int(text, ok):
     if ok:
