@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, get_type_hints
 
 _KEY = "flag"
 
@@ -85,7 +85,7 @@ def positive_int(text: str) -> int:
 def _walk(config_type: type):
     """(field, its Flag or None, the config dataclass it holds when it has no flag, else None) per field. A field
     holding a config dataclass is set by its own flag (`--kernel-config JSON`) or by its fields' flags, not both."""
-    hints = typing.get_type_hints(config_type)
+    hints = get_type_hints(config_type)
     for f in dataclasses.fields(config_type):
         spec = f.metadata.get(_KEY)
         held = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
