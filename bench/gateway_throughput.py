@@ -65,10 +65,11 @@ def serve(model_dir: str, port: int) -> None:
     from gateway.app import build_app
     from gateway.config import GatewayConfig
     from gateway.worker_client import WorkerClient
+    from worker.config import ModelConfig, WorkerConfig
 
-    config = GatewayConfig(model=model_dir, served_model_names=(SERVED_NAME,), device="cpu",
+    config = GatewayConfig(WorkerConfig(ModelConfig(model_dir), device="cpu"), served_model_names=(SERVED_NAME,),
                            uvicorn_log_level="warning")
-    app = build_app(config, WorkerClient(config.worker_config(), engine_factory=FAST_ENGINE))
+    app = build_app(config, WorkerClient(config.worker, engine_factory=FAST_ENGINE))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -29,9 +28,8 @@ from typing import Any, Iterator
 
 import uvicorn
 
-from gateway.config import (GatewayConfig, LoRAModulePath, parse_kernel_config, parse_lora_module,
-                            runtime_lora_updating_from_env)
-from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from gateway.config import GatewayConfig, LoRAModulePath
+from worker.config_flags import add_flags
 
 logger = logging.getLogger("gateway")
 # Idle connections stay open longer than httpx (and so the OpenAI SDK) keeps them pooled (5 s): with equal
@@ -49,13 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model directory")
     serve.add_argument("model_tag", nargs="?", help="the model directory (same as --model)")
-    serve.add_argument("--model", help="Hugging Face model directory: config.json, weights, tokenizer")
     _add_serving_args(serve)
     for name, command in plugin_commands().items():
         commands.add_parser(name, help=f"{command.module}'s command line; `loraplex {name} --help`", add_help=False)
     demo = commands.add_parser("demo", help="build (once) and serve the embedded demo model and adapters")
     demo.add_argument("--cache-dir", help="where the demo is built; default: worker.demo's own default")
-    _add_serving_args(demo)
+    _add_serving_args(demo, leave_out=("--model",))      # the demo builds its own
     return parser
 
 
@@ -64,83 +61,11 @@ def plugin_commands() -> dict[str, EntryPoint]:
     return {command.name: command for command in entry_points(group=COMMANDS_GROUP)}
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _add_serving_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--tokenizer", help="tokenizer directory; default: the model directory")
-    add("--served-model-name", nargs="+", help="names clients use for the base model; default: --model")
-    add("--lora-modules", nargs="+", action="extend", type=parse_lora_module, metavar="MODULE",
-        help="adapters loaded at startup: name=path, or JSON "
-             '\'{"name": "..", "path": "..", "base_model_name": "..", "pinned": true}\'')
-    add("--lora-dir", action="append", help="a directory runtime adapter loads may read from (repeatable); "
-                                            "without any, runtime loads may read any path. With runtime "
-                                            "loading on, a request naming an unknown model that is an "
-                                            "adapter directory here loads it")
-    add("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
-        default=runtime_lora_updating_from_env(),
-        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, and load an unknown model name found "
-             "under --lora-dir on first use (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING, else off)")
-    add("--enable-lora", action="store_true", help="accepted for vLLM compatibility; LoRA is always enabled")
-    add("--max-loras", type=int, default=LoRAConfig.max_loras, help="adapters resident on the GPU at once")
-    add("--max-cpu-loras", type=int, default=LoRAConfig.max_cpu_loras, help="adapters cached in host memory")
-    add("--max-lora-rank", type=int, default=LoRAConfig.max_lora_rank)
-    add("--enable-lora-overlap-loading", action=argparse.BooleanOptionalAction,
-        default=LoRAConfig.enable_lora_overlap_loading,
-        help="load adapters on a side stream while other requests run, prefetching for queued requests; "
-             "--no-enable-lora-overlap-loading loads them inside the step that needs them")
-    add("--lora-eviction-policy", choices=("lru", "fifo"), default=LoRAConfig.lora_eviction_policy,
-        help="which unused adapter leaves a full GPU slot pool")
-    add("--fully-sharded-loras", action="store_true", default=LoRAConfig.fully_sharded_loras,
-        help="with tensor parallelism, also split lora_A of qkv/gate_up by rank and lora_B of o/down by output "
-             "(one more collective per projection for less LoRA memory a GPU); --max-lora-rank must divide by "
-             "--tensor-parallel-size")
-    add("--max-model-len", type=int, default=ModelConfig.max_model_len, help="default: from config.json")
-    add("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    add("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    add("--max-logprobs", type=int, default=20)
-    add("--block-size", type=int, default=CacheConfig.block_size)
-    add("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
-    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=CacheConfig.enable_prefix_caching,
-        help="reuse the KV cache of full blocks of earlier prompts under the same adapter version (default on)")
-    add("--enable-prompt-tokens-details", action="store_true",
-        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens found in the prefix cache")
-    add("--enable-auto-tool-choice", action="store_true",
-        help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser')
-    add("--tool-call-parser", choices=("hermes",), help="how tool calls are read from the model's output: "
-        "hermes, the <tool_call>{json}</tool_call> blocks of Hermes and Qwen models")
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    add("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-        help="GPUs the model is sharded over (one worker process each, NCCL; gloo with --device cpu)")
-    add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "half", "float"), default="auto")
-    add("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
-    add("--enforce-eager", action="store_true", help="no CUDA graphs")
-    add("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-        help="schedule the next step while the current one runs on the device (default on)")
-    add("--late-launch", action=argparse.BooleanOptionalAction, default=True,
-        help="with async scheduling on a GPU, take in requests until just before the running step ends and only "
-             "then schedule the next one, so requests arriving meanwhile join it; --no-late-launch schedules the "
-             "next step as soon as the previous step's tokens are read (default on)")
-    add("--kernel-config", type=parse_kernel_config, metavar="JSON",
-        help='which kernels the GPU path uses, as a JSON object of worker/config.py KernelConfig fields, e.g. '
-             '\'{"lora_side_stream": false}\' (the rest keep their defaults); for A/B runs')
-    add("--seed", type=int, default=ModelConfig.seed)
-    add("--host", help="default: all interfaces")
-    add("--port", type=int, default=8000)
-    add("--api-key", default=os.environ.get("VLLM_API_KEY"),
-        help="require `Authorization: Bearer <key>` on /v1 (default: $VLLM_API_KEY)")
-    add("--max-request-body-bytes", type=int,
-        help="refuse larger request bodies with 413 (default: --max-model-len x 128 bytes, at least 1 MiB)")
-    add("--shutdown-timeout", type=int, default=30,
-        help="seconds requests in flight may take to finish after SIGTERM or SIGINT; the rest then end "
-             "with a 503 error (default 30; 0 ends them at once)")
-    add("--uvicorn-log-level", default="info",
-        choices=("critical", "error", "warning", "info", "debug", "trace"))
+def _add_serving_args(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
+    """The flags GatewayConfig's fields and the worker's config fields declare, and vLLM's --enable-lora."""
+    add_flags(parser, GatewayConfig, leave_out)
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="accepted for vLLM compatibility; LoRA is always enabled")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,7 +95,7 @@ def serve(config: GatewayConfig) -> None:
     from gateway.app import build_app
     from gateway.worker_client import WorkerClient
 
-    client = WorkerClient(config.worker_config())
+    client = WorkerClient(config.worker)
     try:
         app = build_app(config, client)
     except FileNotFoundError as e:

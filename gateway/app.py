@@ -13,9 +13,9 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api_error import APIError
 from gateway.auth import AuthMiddleware
 from gateway.config import GatewayConfig
-from gateway.protocol import APIError
 from gateway.responses import json_response
 from gateway.routes import adapters, chat, completions, health, lora, models, tokenize
 from gateway.serving import ServingContext
@@ -44,7 +44,7 @@ def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = 
 
     runtime_loading = lora.routes if config.allow_runtime_lora_updating else []
     if runtime_loading:
-        logger.warning("Runtime LoRA loading is on%s.", "" if config.lora_dirs else
+        logger.warning("Runtime LoRA loading is on%s.", "" if config.worker.lora.lora_dirs else
                        " and may read any path (no --lora-dir given)")
     app = Starlette(
         routes=[*completions.routes, *chat.routes, *models.routes, *runtime_loading, *adapters.routes,

@@ -11,7 +11,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from gateway.protocol import APIError, decode_body
+from gateway.api_error import APIError
+from gateway.request_validation import decode_body
 
 T = TypeVar("T")
 
@@ -49,7 +50,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, type_: type[T], limit: int) -> T:
-    """The body as `type_`: content type checked, size limited, decoded and validated (protocol.decode_body)."""
+    """The body as `type_`: content type checked, size limited, decoded and validated
+    (request_validation.decode_body)."""
     check_content_type(request)
     return decode_body(await read_body(request, limit), type_)
 

@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator
 import msgspec
 from starlette.responses import Response
 
-from gateway.protocol import APIError
+from gateway.api_error import APIError
 from gateway.serving import ServingContext
 from gateway.tokenizer import Delta, Tokenizer
 

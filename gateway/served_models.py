@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.protocol import APIError, model_not_found
+from gateway.api_error import APIError, model_not_found
 from worker.config import LoRAConfig
 
 MAX_ADAPTER_NAME = 255

@@ -7,11 +7,12 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import anyio
 from starlette.requests import Request
 
+from gateway.api_error import model_not_found
 from gateway.auth import APIKey
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
-from gateway.protocol import check_token_ids, model_not_found, resolve_max_tokens
 from gateway.request_body import default_max_body_bytes, read_json
+from gateway.request_validation import check_token_ids, resolve_max_tokens
 from gateway.served_models import ServedModels
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import AddRequest, RequestOutput, SamplingParams
@@ -29,9 +30,10 @@ class ServingContext:
         self.config = config
         self.client = client                     # gateway.worker_client.WorkerClient or a stand-in
         self.tokenizer = tokenizer
-        self.served_models = ServedModels(config.served_names, config.model, config.lora_dirs)
-        self.metrics = Metrics(config.served_names[0], config.max_loras, config.block_size,
-                               config.gpu_memory_utilization, config.enable_prefix_caching)
+        worker = config.worker
+        self.served_models = ServedModels(config.served_names, worker.model.path, worker.lora.lora_dirs)
+        self.metrics = Metrics(config.served_names[0], worker.lora.max_loras, worker.cache.block_size,
+                               worker.cache.gpu_memory_utilization, worker.cache.enable_prefix_caching)
         self.api_key = APIKey(config.api_key) if config.api_key else None
 
     @property

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.protocol import APIError
+from gateway.api_error import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, TypeVar
 
 import msgspec
 
-from gateway.protocol import APIError
+from gateway.api_error import APIError
 from gateway.responses import raise_if_failed
 from worker.ipc.messages import StructuredOutput
 

@@ -18,7 +18,7 @@ import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.protocol import APIError
+from gateway.api_error import APIError
 from worker.ipc.messages import RequestOutput, TokenLogprob
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")

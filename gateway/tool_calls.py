@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.api_error import APIError
 from gateway.json_reader import JsonReader, dumps, json_or
-from gateway.protocol import APIError
 from worker.ipc.messages import StructuredOutput
 
 PARSERS = ("hermes",)

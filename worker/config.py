@@ -1,44 +1,83 @@
 """Frozen configuration of the worker, one dataclass per subsystem.
 
 Values computed at run time (the number of KV blocks, for one) are returned by the component
-that computes them, never written back here.
+that computes them, never written back here. A field a user sets declares its vLLM flag and help in its
+metadata (worker/config_flags.py); a field without one is an internal setting.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from worker.config_flags import flag, positive_int
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str                        # Hugging Face directory: config.json + *.safetensors
-    dtype: str = "auto"              # auto | float32 | float16 | bfloat16
-    load_format: str = "auto"        # auto | dummy (random weights from config.json alone)
-    max_model_len: int | None = None  # None: the model's own max_position_embeddings
-    seed: int = 0
-    tokenizer: str | None = None     # the tokenizer grammars are compiled for; None: `path`
+    # Hugging Face directory: config.json + *.safetensors
+    path: str = field(metadata=flag("--model", help="Hugging Face model directory: config.json, weights, tokenizer"))
+    # auto | float32 | float16 | bfloat16 (the command line takes half and float for the last two)
+    dtype: str = field(default="auto", metadata=flag(
+        "--dtype", choices=("auto", "float32", "float16", "bfloat16", "half", "float")))
+    # auto | dummy (random weights from config.json alone)
+    load_format: str = field(default="auto", metadata=flag(
+        "--load-format", choices=("auto", "dummy"), help="dummy: random weights"))
+    # None: the model's own max_position_embeddings
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "--max-model-len", type=int, help="default: from config.json"))
+    seed: int = field(default=0, metadata=flag("--seed", type=int))
+    # the tokenizer the gateway encodes with and grammars are compiled for; None: `path`
+    tokenizer: str | None = field(default=None, metadata=flag(
+        "--tokenizer", help="tokenizer directory; default: the model directory"))
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9     # share of device memory the worker may use (CUDA)
+    block_size: int = field(default=16, metadata=flag("--block-size", type=int))
+    # share of device memory the worker may use (CUDA)
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag("--gpu-memory-utilization", type=float))
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default: cpu_kv_cache_bytes
     cpu_kv_cache_bytes: int = 256 << 20
     num_blocks_override: int | None = None  # tests: an exact pool size
-    enable_prefix_caching: bool = True      # reuse the KV of full blocks of earlier prompts (per adapter)
+    # reuse the KV of full blocks of earlier prompts (per adapter)
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        help="reuse the KV cache of full blocks of earlier prompts under the same adapter version (default on)"))
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    max_loras: int = 4            # GPU slots; also the cap on distinct adapters in one batch
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # host cache entries; None: no bound
-    enable_lora_overlap_loading: bool = True  # False: adapters load inside the step that admits them
-    lora_eviction_policy: str = "lru"         # lru | fifo, among GPU slots no running request uses
-    fully_sharded_loras: bool = False         # tensor parallelism: split lora_A of column-parallel and lora_B of
-                                              # row-parallel projections too (layers/linear.py); vLLM's flag
-    lora_dirs: tuple[str, ...] = ()           # roots where an unknown adapter name is looked up on first use
+    # GPU slots; also the cap on distinct adapters in one batch
+    max_loras: int = field(default=4, metadata=flag(
+        "--max-loras", type=int, help="adapters resident on the GPU at once"))
+    max_lora_rank: int = field(default=16, metadata=flag("--max-lora-rank", type=int))
+    # host cache entries; None: no bound
+    max_cpu_loras: int | None = field(default=None, metadata=flag(
+        "--max-cpu-loras", type=int, help="adapters cached in host memory"))
+    # False: adapters load inside the step that admits them
+    enable_lora_overlap_loading: bool = field(default=True, metadata=flag(
+        "--enable-lora-overlap-loading", action=argparse.BooleanOptionalAction,
+        help="load adapters on a side stream while other requests run, prefetching for queued requests; "
+             "--no-enable-lora-overlap-loading loads them inside the step that needs them"))
+    # lru | fifo, among GPU slots no running request uses
+    lora_eviction_policy: str = field(default="lru", metadata=flag(
+        "--lora-eviction-policy", choices=("lru", "fifo"), help="which unused adapter leaves a full GPU slot pool"))
+    # tensor parallelism: split lora_A of column-parallel and lora_B of row-parallel projections too
+    # (layers/linear.py); vLLM's flag
+    fully_sharded_loras: bool = field(default=False, metadata=flag(
+        "--fully-sharded-loras", action="store_true",
+        help="with tensor parallelism, also split lora_A of qkv/gate_up by rank and lora_B of o/down by output "
+             "(one more collective per projection for less LoRA memory a GPU); --max-lora-rank must divide by "
+             "--tensor-parallel-size"))
+    # roots where an unknown adapter name is looked up on first use
+    lora_dirs: tuple[str, ...] = field(default=(), metadata=flag(
+        "--lora-dir", action="append",
+        help="a directory runtime adapter loads may read from (repeatable); without any, runtime loads may read "
+             "any path. With runtime loading on, a request naming an unknown model that is an adapter directory "
+             "here loads it"))
     lora_load_workers: int = 2                # threads reading adapters from disk into the host cache
     lora_read_threads: int = 4                # with overlap loading, one adapter's file reads are split
                                               # across this many threads (blocking loads read in the loop)
@@ -60,8 +99,9 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048   # per-step token budget (chunked prefill splits above it)
+    max_num_seqs: int = field(default=64, metadata=flag("--max-num-seqs", type=int))
+    # per-step token budget (chunked prefill splits above it)
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("--max-num-batched-tokens", type=int))
     max_adapter_bypasses: int = 16       # later requests may overtake one waiting for a slot this often
 
 
@@ -105,20 +145,61 @@ class KernelConfig:
                              f"{self.gemv_row_limit} and {self.skinny_row_limit}")
 
 
+def parse_kernel_config(text: str) -> KernelConfig:
+    """`--kernel-config`: a JSON object of KernelConfig fields, the rest at their defaults, as vLLM takes
+    `--compilation-config`: which kernels the GPU path uses, for A/B runs of a live server."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"Invalid JSON for --kernel-config: {text} ({e})") from None
+    names = [f.name for f in dataclasses.fields(KernelConfig)]
+    if not isinstance(data, dict) or not data:
+        raise argparse.ArgumentTypeError(f"--kernel-config takes a non-empty JSON object of fields, got {text}")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"Unknown --kernel-config field(s) {', '.join(unknown)}; the fields are "
+                                         f"{', '.join(names)}")
+    defaults = KernelConfig()
+    for key, value in data.items():
+        kind = type(getattr(defaults, key))
+        if type(value) is not kind:
+            raise argparse.ArgumentTypeError(f"--kernel-config field {key} takes a {kind.__name__}, got {value!r}")
+    try:
+        return KernelConfig(**data)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"Invalid --kernel-config: {e}") from None
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kernels: KernelConfig = field(default_factory=KernelConfig)
-    device: str = "auto"          # auto | cpu | cuda
-    tensor_parallel_size: int = 1  # ranks the model is sharded over: this process and N - 1 followers, GPU r each
-    enforce_eager: bool = False   # no CUDA graphs (the CPU path never uses them)
-    async_scheduling: bool = True  # schedule and prepare step N+1 while step N runs on the device
+    kernels: KernelConfig = field(default_factory=KernelConfig, metadata=flag(
+        "--kernel-config", type=parse_kernel_config, metavar="JSON",
+        help='which kernels the GPU path uses, as a JSON object of worker/config.py KernelConfig fields, e.g. '
+             '\'{"lora_side_stream": false}\' (the rest keep their defaults); for A/B runs'))
+    # auto | cpu | cuda
+    device: str = field(default="auto", metadata=flag("--device", choices=("auto", "cpu", "cuda")))
+    # ranks the model is sharded over: this process and N - 1 followers, GPU r each
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "--tensor-parallel-size", "-tp", type=positive_int,
+        help="GPUs the model is sharded over (one worker process each, NCCL; gloo with --device cpu)"))
+    # no CUDA graphs (the CPU path never uses them)
+    enforce_eager: bool = field(default=False, metadata=flag("--enforce-eager", action="store_true",
+                                                             help="no CUDA graphs"))
+    # schedule and prepare step N+1 while step N runs on the device
+    async_scheduling: bool = field(default=True, metadata=flag(
+        "--async-scheduling", action=argparse.BooleanOptionalAction,
+        help="schedule the next step while the current one runs on the device (default on)"))
     # with async scheduling on a GPU: the worker takes in requests until just before the step on the device ends,
     # then schedules the next one, so requests arriving meanwhile join it (worker/launch_pacer.py)
-    late_launch: bool = True
+    late_launch: bool = field(default=True, metadata=flag(
+        "--late-launch", action=argparse.BooleanOptionalAction,
+        help="with async scheduling on a GPU, take in requests until just before the running step ends and only "
+             "then schedule the next one, so requests arriving meanwhile join it; --no-late-launch schedules the "
+             "next step as soon as the previous step's tokens are read (default on)"))
     # CUDA graphs for batches with prefill tokens, up to this many tokens (capped by max_num_batched_tokens, so
     # by default every step the budget allows replays a graph); 0: such batches run eagerly (decode batches
     # still replay graphs unless enforce_eager)

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from worker.batch import ScheduledBatch
+from worker.model_runner.sampling_passes import pass_letters
 
 logger = logging.getLogger(__name__)
 
@@ -79,24 +80,9 @@ class StepShape:
 
 
 def sampler_passes(batch: ScheduledBatch) -> str:
-    """The sampler's passes over the whole batch that some sampling row asks for, one letter each (their device time
-    hardly depends on how many rows ask): d random draws, e seeded draws, s a top-k/top-p sort, m min_p, p penalties,
-    l logprobs, b logit_bias, allowed_token_ids or bad words. Greedy rows alone: ""."""
-    passes = set()
-    for params in (s.request.params for s in batch.seqs if s.samples):
-        if not params.greedy:
-            passes.add("d" if params.seed is None else "e")
-            if params.top_p < 1.0 or params.top_k > 0:
-                passes.add("s")
-            if params.min_p > 0.0:
-                passes.add("m")
-        if params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-            passes.add("p")
-        if params.logprobs is not None:
-            passes.add("l")
-        if params.logit_bias or params.allowed_token_ids is not None or params.bad_words_token_ids:
-            passes.add("b")
-    return "".join(sorted(passes))
+    """The letters of the sampler's passes (model_runner/sampling_passes.py) that the batch's sampling rows ask for:
+    their device time hardly depends on how many rows ask. Greedy rows alone: ""."""
+    return pass_letters(s.request.params for s in batch.seqs if s.samples)
 
 
 class StepEnd(Protocol):

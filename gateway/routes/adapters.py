@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError
+from gateway.api_error import APIError
 from gateway.responses import json_response
 from gateway.served_models import Adapter
 from gateway.serving import ServingContext

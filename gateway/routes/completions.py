@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import CompletionRequest, resolve_max_tokens
+from gateway.request_types import CompletionRequest
+from gateway.request_validation import resolve_max_tokens
 from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, usage
 from gateway.serving import ServingContext
 from gateway.sse import cancel_on_disconnect, merge, sse_response

@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from gateway.api_error import APIError
+from gateway.request_types import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from gateway.served_models import check_adapter_name
 from gateway.serving import ServingContext
 
@@ -32,7 +33,7 @@ async def load_lora_adapter(request: Request) -> Response:
                        param="lora_path")
     if name in server.served_models.served_names:
         raise APIError(f"The lora adapter name '{name}' is already a served model name.", type=INVALID_INPUT)
-    if not _allowed(path, server.config.lora_dirs):
+    if not _allowed(path, server.config.worker.lora.lora_dirs):
         raise APIError(f"The lora adapter path '{path}' is outside the directories allowed by --lora-dir.",
                        type=INVALID_INPUT, param="lora_path")
     async with server.served_models.lock(name):

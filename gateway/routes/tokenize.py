@@ -10,7 +10,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.protocol import APIError, DetokenizeRequest, TokenizeRequest, check_token_ids
+from gateway.api_error import APIError
+from gateway.request_types import DetokenizeRequest, TokenizeRequest
+from gateway.request_validation import check_token_ids
 from gateway.responses import json_response, render_chat
 from gateway.serving import ServingContext
 

@@ -1,4 +1,5 @@
-"""The gateway app in process on FakeWorkerClient, with any GatewayConfig field set, for the hardening tests."""
+"""The gateway app in process on FakeWorkerClient, with any GatewayConfig field (and the worker's LoRA and cache
+configs) set, for the hardening tests."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -8,6 +9,7 @@ import httpx
 from fake_worker_client import FakeWorkerClient, build_tokenizer
 from gateway.app import build_app
 from gateway.config import GatewayConfig, LoRAModulePath
+from worker.config import CacheConfig, LoRAConfig, ModelConfig, WorkerConfig
 
 TOKENIZER = build_tokenizer()
 BASE, ADAPTER = "base", "sql"
@@ -15,10 +17,13 @@ ANSWER_IDS = TOKENIZER.encode("hello world")
 
 
 @asynccontextmanager
-async def serve(client: FakeWorkerClient | None = None, **config_fields):
-    """(http client, fake worker client, app) for one app whose config has `config_fields`."""
+async def serve(client: FakeWorkerClient | None = None, *, lora: LoRAConfig = LoRAConfig(),
+                cache: CacheConfig = CacheConfig(), **config_fields):
+    """(http client, fake worker client, app) for one app whose config has `config_fields`, and whose worker
+    config has `lora` and `cache`."""
     client = client or FakeWorkerClient(lambda request: list(ANSWER_IDS))
-    config = GatewayConfig(**{"model": "/models/base", "served_model_names": (BASE,),
+    worker = WorkerConfig(ModelConfig("/models/base"), lora=lora, cache=cache)
+    config = GatewayConfig(**{"worker": worker, "served_model_names": (BASE,),
                               "lora_modules": (LoRAModulePath(ADAPTER, "/adapters/sql"),), **config_fields})
     app = build_app(config, client, TOKENIZER)
     async with app.router.lifespan_context(app):

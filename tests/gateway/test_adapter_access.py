@@ -9,6 +9,7 @@ from fake_worker_client import FakeWorkerClient
 from gateway.__main__ import build_parser
 from gateway.config import GatewayConfig
 from gateway_app import ADAPTER, ANSWER_IDS, BASE, error_of, serve
+from worker.config import LoRAConfig
 
 KEY = {"Authorization": "Bearer secret"}
 LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
@@ -22,7 +23,7 @@ def lora_dir(tmp_path):
 
 
 async def test_runtime_loading_is_off_by_default(lora_dir):
-    async with serve(lora_dirs=(lora_dir,)) as (http, client, _):
+    async with serve(lora=LoRAConfig(lora_dirs=(lora_dir,))) as (http, client, _):
         load = await http.post(LOAD, json={"lora_name": "x", "lora_path": f"{lora_dir}/found"})
         unload = await http.post(UNLOAD, json={"lora_name": ADAPTER})
         auto = await http.post("/v1/completions", json={"model": "found", "prompt": "hi"})
@@ -48,7 +49,8 @@ def test_vllm_allow_runtime_lora_updating_turns_runtime_loading_on(monkeypatch, 
 
 @pytest.mark.parametrize("route, body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})])
 async def test_tokenize_without_the_key_neither_loads_nor_reveals_adapter_directories(lora_dir, route, body):
-    async with serve(lora_dirs=(lora_dir,), api_key="secret", allow_runtime_lora_updating=True) as (http, client, _):
+    async with serve(lora=LoRAConfig(lora_dirs=(lora_dir,)), api_key="secret",
+                     allow_runtime_lora_updating=True) as (http, client, _):
         found = await http.post(route, json={"model": "found", **body})
         missing = await http.post(route, json={"model": "missing", **body})
         served = await http.post(route, json={"model": ADAPTER, **body})
@@ -85,13 +87,14 @@ async def test_the_longest_allowed_name_loads():
 
 @pytest.mark.parametrize("model", ["a\x00b", "../found", "a" * 100_000, "found\n"])
 async def test_a_model_name_no_adapter_may_have_is_not_found(lora_dir, model):
-    async with serve(lora_dirs=(lora_dir,), allow_runtime_lora_updating=True) as (http, _, _):
+    async with serve(lora=LoRAConfig(lora_dirs=(lora_dir,)), allow_runtime_lora_updating=True) as (http, _, _):
         response = await http.post("/v1/completions", json={"model": model, "prompt": "hi"})
     assert error_of(response)[0] == 404
 
 
 async def test_a_nul_byte_in_lora_path_is_a_bad_request():
-    async with serve(allow_runtime_lora_updating=True, lora_dirs=("/adapters",)) as (http, client, _):
+    async with serve(allow_runtime_lora_updating=True,
+                     lora=LoRAConfig(lora_dirs=("/adapters",))) as (http, client, _):
         response = await http.post(LOAD, json={"lora_name": "x", "lora_path": "/adapters/x\x00y"})
     assert error_of(response) == (400, "The lora adapter path must not contain a NUL character.", "lora_path")
     assert len(client.adapter_commands) == 1

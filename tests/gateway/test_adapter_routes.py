@@ -29,8 +29,8 @@ SQL = AdapterState(name="sql", path="/adapters/sql", version=2, residency="gpu",
 async def serve(lora_dirs=(),
                 modules=(LoRAModulePath("sql", "/adapters/sql", pinned=True), LoRAModulePath("poet", "/p"))):
     client = FakeWorkerClient(lambda request: TOKENIZER.encode("hello"))
-    config = GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), lora_modules=modules, lora_dirs=lora_dirs,
-                           allow_runtime_lora_updating=True)
+    worker = WorkerConfig(ModelConfig(MODEL_DIR), lora=LoRAConfig(lora_dirs=lora_dirs))
+    config = GatewayConfig(worker, served_model_names=(BASE,), lora_modules=modules, allow_runtime_lora_updating=True)
     app = build_app(config, client, TOKENIZER)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
@@ -120,7 +120,7 @@ def test_adapter_flags_reach_the_worker_config(flags, overlap, policy, fully_sha
     args = build_parser().parse_args(["serve", "--model", "/m", "--lora-dir", "/a", "--lora-dir", "/b",
                                       "--max-cpu-loras", "9", *flags])
     args.model = args.model or args.model_tag
-    lora = GatewayConfig.from_args(args).worker_config().lora
+    lora = GatewayConfig.from_args(args).worker.lora
     assert lora == LoRAConfig(max_cpu_loras=9, enable_lora_overlap_loading=overlap, lora_eviction_policy=policy,
                               lora_dirs=("/a", "/b"), fully_sharded_loras=fully_sharded)
 

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fake_worker_client import FakeWorkerClient
-from gateway.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+from gateway.request_types import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+                                   TokenizeRequest, UnloadLoRAAdapterRequest)
 from gateway_app import ADAPTER, ANSWER_IDS, BASE, serve
+from worker.config import LoRAConfig
 
 EXAMPLES_PER_BATCH = 50
 CHAT = [{"role": "user", "content": "hello"}]
@@ -120,7 +121,7 @@ def test_no_request_gets_a_500_or_hangs(tmp_path, batch):
     (tmp_path / "found").mkdir()
     (tmp_path / "found" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
     loop = asyncio.new_event_loop()
-    app = serve(WireClient(lambda request: list(ANSWER_IDS)), api_key="secret", lora_dirs=(str(tmp_path),),
+    app = serve(WireClient(lambda request: list(ANSWER_IDS)), api_key="secret", lora=LoRAConfig(lora_dirs=(str(tmp_path),)),
                 allow_runtime_lora_updating=True)
     http, client, _ = loop.run_until_complete(app.__aenter__())
     cases = []

@@ -10,6 +10,7 @@ import pytest
 from fake_worker_client import FakeWorkerClient
 from gateway.metrics import Metrics
 from gateway_app import ADAPTER, BASE, serve
+from worker.config import CacheConfig
 from worker.ipc.messages import Ready, RequestOutput, Stats
 
 ENGINE = ("engine", "model_name")
@@ -165,7 +166,7 @@ async def test_kv_cache_usage_and_preemptions_are_the_workers_latest_stats():
 
 
 async def test_cache_config_info_labels_the_block_size_and_the_workers_block_count():
-    async with serve(block_size=32, gpu_memory_utilization=0.5) as (http, client, app):
+    async with serve(cache=CacheConfig(block_size=32, gpu_memory_utilization=0.5)) as (http, client, app):
         text = (await http.get("/metrics")).text
     assert ('vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
             f'gpu_memory_utilization="0.5",num_gpu_blocks="{client.ready.num_kv_blocks}"}} 1.0') in text.splitlines()

@@ -12,6 +12,7 @@ from test_metrics import samples, value
 
 from gateway.__main__ import build_parser
 from gateway.config import GatewayConfig
+from worker.config import CacheConfig
 from worker.ipc.messages import Stats
 
 ENGINE = {"engine": "0", "model_name": BASE}
@@ -84,7 +85,7 @@ async def test_prefix_cache_counters_have_vllms_type_labels_help_and_the_workers
 
 @pytest.mark.parametrize("enabled", [True, False])
 async def test_cache_config_info_says_whether_prefix_caching_is_on(enabled):
-    async with serve(enable_prefix_caching=enabled) as (http, _, _):
+    async with serve(cache=CacheConfig(enable_prefix_caching=enabled)) as (http, _, _):
         text = (await http.get("/metrics")).text
     assert value(text, "vllm:cache_config_info", enable_prefix_caching=str(enabled)) == 1
 
@@ -94,5 +95,5 @@ async def test_cache_config_info_says_whether_prefix_caching_is_on(enabled):
                                                      True, True)])
 def test_flags_reach_the_worker_config(argv, caching, details):
     config = GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m", *argv]))
-    assert (config.worker_config().cache.enable_prefix_caching, config.enable_prompt_tokens_details) == \
+    assert (config.worker.cache.enable_prefix_caching, config.enable_prompt_tokens_details) == \
         (caching, details)

@@ -11,6 +11,7 @@ import pytest
 from fake_worker_client import IM_END, FakeWorkerClient, build_tokenizer
 from gateway.app import build_app
 from gateway.config import GatewayConfig, LoRAModulePath
+from worker.config import LoRAConfig, ModelConfig, WorkerConfig
 from worker.ipc.messages import AdapterCommandResult
 
 TOKENIZER = build_tokenizer()
@@ -26,7 +27,8 @@ def answer(request):
 @asynccontextmanager
 async def serve(script=answer, *, api_key=None, lora_dirs=(), runtime_loading=False, **client_args):
     client = FakeWorkerClient(script, **client_args)
-    config = GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), api_key=api_key, lora_dirs=lora_dirs,
+    worker = WorkerConfig(ModelConfig(MODEL_DIR), lora=LoRAConfig(lora_dirs=lora_dirs))
+    config = GatewayConfig(worker, served_model_names=(BASE,), api_key=api_key,
                            lora_modules=(LoRAModulePath(ADAPTER, ADAPTER_DIR),),
                            allow_runtime_lora_updating=runtime_loading)
     app = build_app(config, client, TOKENIZER)
@@ -337,7 +339,7 @@ async def test_a_worker_error_keeps_the_status_the_worker_gave_it(stream):
 
 async def test_client_disconnect_aborts_the_worker_request():
     client = FakeWorkerClient(lambda request: [272] * 5000, delay=0.001, max_model_len=8000)
-    app = build_app(GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,)), client, TOKENIZER)
+    app = build_app(GatewayConfig(WorkerConfig(ModelConfig(MODEL_DIR)), served_model_names=(BASE,)), client, TOKENIZER)
     body = json.dumps(completion_body(max_tokens=5000, stream=True)).encode()
     received, disconnected, chunks = [], asyncio.Event(), []
 
@@ -385,7 +387,7 @@ async def test_startup_loads_the_lora_modules():
 
 async def test_startup_failure_raises_the_worker_message():
     client = FakeWorkerClient(answer, startup_error="CUDA out of memory while loading weights")
-    app = build_app(GatewayConfig(model=MODEL_DIR), client, TOKENIZER)
+    app = build_app(GatewayConfig(WorkerConfig(ModelConfig(MODEL_DIR))), client, TOKENIZER)
     with pytest.raises(RuntimeError, match="CUDA out of memory while loading weights"):
         async with app.router.lifespan_context(app):
             pass

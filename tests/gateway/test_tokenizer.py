@@ -4,7 +4,7 @@ import json
 import pytest
 
 from fake_worker_client import CHATML, IM_END, IM_START, build_tokenizer
-from gateway.protocol import APIError
+from gateway.api_error import APIError
 from gateway.tokenizer import RELEASE_GIL_SIZE, IncrementalDetokenizer, Tokenizer
 from worker.ipc.messages import RequestOutput
 

@@ -12,11 +12,12 @@ import pytest
 from fake_worker_client import FakeWorkerClient
 from test_routes import BASE, MODEL_DIR, TOKENIZER, chat_body, events
 
+from gateway.api_error import APIError
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from gateway.protocol import APIError
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import AUTO_NEEDS_FLAGS, ToolChoice, parse_hermes
+from worker.config import ModelConfig, WorkerConfig
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -251,7 +252,8 @@ def test_streamed_named_call_starts_with_its_name_then_streams_the_output():
 async def serve(script_text: str, tokenizer: Tokenizer = TOKENIZER, chunk: int = 3, **config):
     client = FakeWorkerClient(lambda request: TOKENIZER.encode(script_text, add_special_tokens=False) + [2],
                               max_model_len=4096, chunk=chunk)
-    app = build_app(GatewayConfig(model=MODEL_DIR, served_model_names=(BASE,), **config), client, tokenizer)
+    app = build_app(GatewayConfig(WorkerConfig(ModelConfig(MODEL_DIR)), served_model_names=(BASE,), **config), client,
+                    tokenizer)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
             yield http, client

@@ -20,8 +20,9 @@ from worker.layers.sparse_moe import SparseMoE
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
+from worker.model_runner.logprobs import compute_logprobs
 from worker.model_runner.memory_plan import GRAPH_ALLOWANCE_BYTES, MemoryLimits, MemoryPlan, plan_memory
-from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow, compute_logprobs
+from worker.model_runner.sampler import PendingTokens, Sampler, SamplingRow
 from worker.arch import ArchConfig
 from worker.models.builder import build_model
 from worker.request import Request

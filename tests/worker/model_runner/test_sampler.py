@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from worker.ipc.messages import SamplingParams
-from worker.model_runner.sampler import Sampler, SamplingRow, compute_logprobs
+from worker.model_runner.logprobs import compute_logprobs
+from worker.model_runner.sampler import Sampler, SamplingRow
 
 DTYPES = [torch.float32, torch.bfloat16]
 FILTERS = [

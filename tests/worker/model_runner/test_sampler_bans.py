@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from worker.ipc.messages import SamplingParams
-from worker.model_runner.sampler import Sampler, SamplingRow, apply_token_bitmask
+from worker.model_runner.penalties_and_bans import apply_token_bitmask
+from worker.model_runner.sampler import Sampler, SamplingRow
 
 VOCAB = 40
 
