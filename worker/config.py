@@ -41,7 +41,11 @@ class CacheConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata=flag("--gpu-memory-utilization", type=float))
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default: cpu_kv_cache_bytes
     cpu_kv_cache_bytes: int = 256 << 20
-    num_blocks_override: int | None = None  # tests: an exact pool size
+    # an exact KV pool size in blocks instead of what the memory plan gives (vLLM's flag; small pools exercise
+    # preemption)
+    num_gpu_blocks_override: int | None = field(default=None, metadata=flag(
+        "--num-gpu-blocks-override", type=int,
+        help="KV cache blocks to allocate, instead of what the memory profile leaves room for"))
     # reuse the KV of full blocks of earlier prompts (per adapter)
     enable_prefix_caching: bool = field(default=True, metadata=flag(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
 
 def engine(root, overlap: bool) -> Engine:
     return Engine(WorkerConfig(ModelConfig(str(root), dtype="float32", load_format="dummy", max_model_len=256),
-                               cache=CacheConfig(num_blocks_override=256),
+                               cache=CacheConfig(num_gpu_blocks_override=256),
                                lora=LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                                                enable_lora_overlap_loading=overlap),
                                scheduler=SchedulerConfig(max_num_seqs=8), device="cpu"))

@@ -160,7 +160,7 @@ def reference(demo) -> Reference:
     from worker.config import CacheConfig, LoRAConfig, ModelConfig, WorkerConfig
     from worker.engine import Engine
 
-    config = WorkerConfig(ModelConfig(str(demo.model_dir)), cache=CacheConfig(num_blocks_override=512),
+    config = WorkerConfig(ModelConfig(str(demo.model_dir)), cache=CacheConfig(num_gpu_blocks_override=512),
                           lora=LoRAConfig(max_loras=len(ADAPTERS)), device="cpu")
     engine = Engine(config)
     for name, path in demo.adapters.items():

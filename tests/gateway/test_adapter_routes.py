@@ -133,7 +133,7 @@ def test_unknown_eviction_policy_is_refused(capsys):
 
 async def test_a_real_worker_reports_adapter_residency_and_tier_stats(hf_models):
     llama = hf_models["llama"]
-    config = WorkerConfig(ModelConfig(str(llama)), cache=CacheConfig(block_size=4, num_blocks_override=128),
+    config = WorkerConfig(ModelConfig(str(llama)), cache=CacheConfig(block_size=4, num_gpu_blocks_override=128),
                           lora=LoRAConfig(max_loras=1), device="cpu")
     client = WorkerClient(config)
     await client.start()
@@ -165,7 +165,7 @@ async def test_a_moe_adapter_lists_the_experts_it_adapts(hf_moe_models, tmp_path
     spec = PeftExpertAdapter("moe", 4, alpha=8, modules=("q_proj", "gate_proj", "up_proj", "down_proj"),
                              rank_pattern={"gate_up_proj": 6})
     save_peft_expert_adapter(model_dir, spec, tmp_path / "moe", seed=0)
-    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(num_blocks_override=16),
+    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(num_gpu_blocks_override=16),
                                  lora=LoRAConfig(max_loras=1, max_lora_rank=8), device="cpu"))
     engine.add_adapter("moe", str(tmp_path / "moe"))
     async with serve(modules=(LoRAModulePath("moe", str(tmp_path / "moe")),)) as (http, client):

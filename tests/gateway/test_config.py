@@ -131,7 +131,7 @@ SERVE_FLAGS = {
     "--no-allow-runtime-lora-updating", "--enable-lora", "--max-loras", "--max-cpu-loras", "--max-lora-rank",
     "--enable-lora-overlap-loading", "--no-enable-lora-overlap-loading", "--lora-eviction-policy",
     "--fully-sharded-loras", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--max-logprobs",
-    "--block-size", "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--block-size", "--gpu-memory-utilization", "--num-gpu-blocks-override", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "--device",
     "--tensor-parallel-size", "-tp", "--dtype", "--load-format", "--enforce-eager", "--async-scheduling",
     "--no-async-scheduling", "--late-launch", "--no-late-launch", "--kernel-config", "--seed", "--host", "--port",
@@ -164,3 +164,10 @@ def test_tensor_parallel_size_must_be_positive(capsys, value):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "/m", "-tp", value])
     assert f"must be at least 1, got {value}" in capsys.readouterr().err
+
+
+def test_num_gpu_blocks_override_fixes_the_kv_pool_as_vllm_s_flag_does():
+    args = build_parser().parse_args(["serve", "--model", "/m", "--num-gpu-blocks-override", "64"])
+    assert GatewayConfig.from_args(args).worker.cache.num_gpu_blocks_override == 64
+    assert GatewayConfig.from_args(build_parser().parse_args(["serve", "--model", "/m"])).worker.cache \
+        .num_gpu_blocks_override is None

@@ -31,7 +31,7 @@ def make_engine(model_dir, enforce_eager: bool, async_scheduling: bool = True,
     logits (measured: engines given the same requests ran different batches in 4 of 4 pairs, and once a
     logit row differed). Overlap loading itself is tested in test_lora_loading_gpu.py."""
     engine = Engine(WorkerConfig(
-        ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
+        ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_gpu_blocks_override=512),
         lora=LoRAConfig(max_loras=4, max_lora_rank=16, enable_lora_overlap_loading=overlap_loading),
         scheduler=SchedulerConfig(max_num_seqs=16, **sched), kernels=kernels,
         device="cuda", enforce_eager=enforce_eager, async_scheduling=async_scheduling))

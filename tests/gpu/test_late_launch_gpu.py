@@ -23,7 +23,7 @@ ROWS = [(7, None), (23, "r4-qv"), (5, "r8-all"), (40, None), (11, "r16-mlp-rs")]
 
 def make_engine(model_dir, late_launch: bool) -> Engine:
     engine = Engine(WorkerConfig(
-        ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
+        ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_gpu_blocks_override=512),
         lora=LoRAConfig(max_loras=4, max_lora_rank=16, enable_lora_overlap_loading=False),
         scheduler=SchedulerConfig(max_num_seqs=16), device="cuda", late_launch=late_launch))
     for spec in ADAPTERS:

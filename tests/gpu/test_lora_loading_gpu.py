@@ -17,7 +17,7 @@ ROWS = [(7, None), (23, "r4-qv"), (5, "r8-all"), (11, "r16-mlp-rs"), (17, "r8-al
 def make_engine(model_dir, device: str, dtype: str, overlap: bool, enforce_eager: bool = True,
                 max_num_seqs: int = 4) -> Engine:
     engine = Engine(WorkerConfig(
-        ModelConfig(str(model_dir), dtype=dtype), cache=CacheConfig(num_blocks_override=256),
+        ModelConfig(str(model_dir), dtype=dtype), cache=CacheConfig(num_gpu_blocks_override=256),
         lora=LoRAConfig(max_loras=2, enable_lora_overlap_loading=overlap),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         device=device, enforce_eager=enforce_eager))

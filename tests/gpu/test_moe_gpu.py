@@ -52,7 +52,7 @@ def prompts() -> list[list[int]]:
 def make_engine(moe_model, enforce_eager: bool, overlap_loading: bool = False, **sched) -> Engine:
     model_dir, paths = moe_model
     engine = Engine(WorkerConfig(
-        ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=512),
+        ModelConfig(str(model_dir), dtype="bfloat16"), cache=CacheConfig(num_gpu_blocks_override=512),
         lora=LoRAConfig(max_loras=2, max_lora_rank=8, enable_lora_overlap_loading=overlap_loading),   # 3 adapters
         scheduler=SchedulerConfig(max_num_seqs=16, **sched), device="cuda", enforce_eager=enforce_eager))
     for name, path in paths.items():

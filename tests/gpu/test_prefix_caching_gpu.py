@@ -34,7 +34,7 @@ def make_engine(model_dir, caching: bool, enforce_eager: bool = False, **sched) 
     """Adapters load in the admitting step (no overlap loading), so both engines run the same first wave."""
     engine = Engine(WorkerConfig(
         ModelConfig(str(model_dir), dtype="bfloat16"),
-        cache=CacheConfig(block_size=BLOCK, num_blocks_override=512, enable_prefix_caching=caching),
+        cache=CacheConfig(block_size=BLOCK, num_gpu_blocks_override=512, enable_prefix_caching=caching),
         lora=LoRAConfig(max_loras=4, max_lora_rank=16, enable_lora_overlap_loading=False),
         scheduler=SchedulerConfig(max_num_seqs=16, **sched), device="cuda", enforce_eager=enforce_eager))
     for spec in ADAPTERS:

@@ -19,7 +19,7 @@ ADAPTER_NAMES = [None] + [a.name for a in ADAPTERS]
 
 def make_engine(demo, async_scheduling: bool = True) -> Engine:
     engine = Engine(WorkerConfig(
-        ModelConfig(str(demo.model_dir), dtype="bfloat16"), cache=CacheConfig(num_blocks_override=1024),
+        ModelConfig(str(demo.model_dir), dtype="bfloat16"), cache=CacheConfig(num_gpu_blocks_override=1024),
         lora=LoRAConfig(max_loras=4, max_lora_rank=16), scheduler=SchedulerConfig(max_num_seqs=32),
         device="cuda", enforce_eager=False, async_scheduling=async_scheduling))
     for name, path in demo.adapters.items():

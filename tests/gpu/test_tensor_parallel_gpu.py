@@ -37,7 +37,7 @@ TIE = 1e-3        # logprob margin under which two tokens count as tied
 def make_engine(model_dir, device: str, dtype: str, tp: int, enforce_eager: bool = True,
                 max_num_seqs: int = 4, fully_sharded_loras: bool = False) -> Engine:
     engine = Engine(WorkerConfig(
-        ModelConfig(str(model_dir), dtype=dtype), cache=CacheConfig(num_blocks_override=256),
+        ModelConfig(str(model_dir), dtype=dtype), cache=CacheConfig(num_gpu_blocks_override=256),
         lora=LoRAConfig(max_loras=2, fully_sharded_loras=fully_sharded_loras),
         # a 128-token budget: 16 graphs to capture instead of 88 (ROWS' prompts take 85 tokens)
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128),

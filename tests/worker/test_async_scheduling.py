@@ -25,7 +25,7 @@ def llama(hf_models):
 
 def make_engine(model_dir, async_scheduling: bool, num_blocks: int = 256, max_model_len: int | None = None,
                 **sched) -> Engine:
-    engine = Engine(WorkerConfig(ModelConfig(str(model_dir), max_model_len=max_model_len), cache=CacheConfig(block_size=4, num_blocks_override=num_blocks),
+    engine = Engine(WorkerConfig(ModelConfig(str(model_dir), max_model_len=max_model_len), cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
                                  lora=LoRAConfig(max_loras=2, max_lora_rank=16), scheduler=SchedulerConfig(**sched),
                                  device="cpu", async_scheduling=async_scheduling))
     for spec in ADAPTERS:

@@ -16,7 +16,7 @@ from tests.worker.lora.slot_refs import refcount
 
 
 def make_engine(model_dir, adapters_of=None, **kw) -> Engine:
-    cache = CacheConfig(block_size=4, num_blocks_override=kw.pop("num_blocks", 256))
+    cache = CacheConfig(block_size=4, num_gpu_blocks_override=kw.pop("num_blocks", 256))
     engine = Engine(WorkerConfig(ModelConfig(str(model_dir), max_model_len=kw.pop("max_model_len", None)),
                                  cache=cache, lora=LoRAConfig(max_loras=2, max_lora_rank=16),
                                  scheduler=SchedulerConfig(**kw), device="cpu"))

@@ -47,7 +47,7 @@ def hf_rows(model_dir, prompts):
 
 
 def run_engine(model_dir, prompts, **sched) -> tuple[Engine, dict, dict]:
-    cache = CacheConfig(block_size=sched.pop("block_size", 16), num_blocks_override=sched.pop("num_blocks", None))
+    cache = CacheConfig(block_size=sched.pop("block_size", 16), num_gpu_blocks_override=sched.pop("num_blocks", None))
     config = WorkerConfig(model=ModelConfig(str(model_dir)), cache=cache,
                           lora=LoRAConfig(max_loras=sched.pop("max_loras", 4), max_lora_rank=16),
                           scheduler=SchedulerConfig(**sched), device="cpu")

@@ -17,7 +17,7 @@ PROMPT = [5, 17, 99, 3, 250, 41, 8]
 
 def greedy_logits(model_dir, load_format="auto", steps=4) -> torch.Tensor:
     engine = Engine(WorkerConfig(ModelConfig(str(model_dir), load_format=load_format),
-                                 cache=CacheConfig(num_blocks_override=32), device="cpu"))
+                                 cache=CacheConfig(num_gpu_blocks_override=32), device="cpu"))
     captured = []
     execute = engine.runner.execute
 

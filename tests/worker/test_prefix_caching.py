@@ -21,7 +21,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def make_engine(model_dir, caching: bool, num_blocks: int = 256, async_scheduling: bool = True,
                 **sched) -> Engine:
-    cache = CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks, enable_prefix_caching=caching)
+    cache = CacheConfig(block_size=BLOCK, num_gpu_blocks_override=num_blocks, enable_prefix_caching=caching)
     engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=cache, lora=LoRAConfig(max_loras=2),
                                  scheduler=SchedulerConfig(**sched), device="cpu",
                                  async_scheduling=async_scheduling))

@@ -16,7 +16,7 @@ ADAPTER_NAMES = [None] + [a.name for a in ADAPTERS[:2]]
 
 def make_engine(demo, async_scheduling: bool = True) -> Engine:
     engine = Engine(WorkerConfig(ModelConfig(str(demo.model_dir)),
-                                 cache=CacheConfig(block_size=4, num_blocks_override=512),
+                                 cache=CacheConfig(block_size=4, num_gpu_blocks_override=512),
                                  lora=LoRAConfig(max_loras=2, max_lora_rank=16),
                                  scheduler=SchedulerConfig(max_num_seqs=16), device="cpu",
                                  async_scheduling=async_scheduling))

@@ -18,8 +18,8 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> in
 def fixed_num_blocks(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> int | None:
     """The pool's size when the configuration fixes it (a block count, a byte budget, or the CPU default);
     None on a GPU without either, where the memory plan sizes it (model_runner/memory_plan.py)."""
-    if cache.num_blocks_override is not None:
-        return cache.num_blocks_override
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
     per_block = bytes_per_block(arch, cache.block_size, dtype)
     if cache.kv_cache_memory_bytes is not None:
         return cache.kv_cache_memory_bytes // per_block

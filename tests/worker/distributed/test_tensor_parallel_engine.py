@@ -19,7 +19,7 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, igno
 
 def make_engine(model_dir, tp: int, num_blocks: int = 256, max_loras: int = 2, fully_sharded_loras: bool = False,
                 **sched) -> Engine:
-    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=num_blocks),
+    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks),
                                  lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16,
                                                  fully_sharded_loras=fully_sharded_loras),
                                  scheduler=SchedulerConfig(**sched), device="cpu", tensor_parallel_size=tp))
@@ -141,7 +141,7 @@ def test_tp2_moe_engine_outputs_equal_tp1(hf_moe_models, arch):
 
     def make(tp: int) -> Engine:
         engine = Engine(WorkerConfig(ModelConfig(str(hf_moe_models[arch])),
-                                     cache=CacheConfig(block_size=4, num_blocks_override=256),
+                                     cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
                                      lora=LoRAConfig(max_loras=2, max_lora_rank=16), device="cpu",
                                      tensor_parallel_size=tp))
         for spec in MOE_ADAPTERS:

@@ -38,7 +38,7 @@ def make_engine(model_dir, adapters: dict[str, str] | None = None, *, overlap: b
     lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                       enable_lora_overlap_loading=overlap, lora_eviction_policy=policy, lora_dirs=tuple(lora_dirs),
                       lora_read_threads=read_threads)
-    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_blocks_override=256),
+    engine = Engine(WorkerConfig(ModelConfig(str(model_dir)), cache=CacheConfig(block_size=4, num_gpu_blocks_override=256),
                                  lora=lora, scheduler=SchedulerConfig(**sched), device="cpu",
                                  async_scheduling=async_scheduling))
     if not threads:

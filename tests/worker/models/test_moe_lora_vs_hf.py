@@ -96,7 +96,7 @@ def hf_rows(fixture: dict, prompts) -> list[tuple[list[int], torch.Tensor]]:
 def make_engine(fixture: dict, max_loras: int = 4, block_size: int = 16, num_blocks: int | None = None,
                 async_scheduling: bool = True, **sched) -> Engine:
     config = WorkerConfig(model=ModelConfig(str(fixture["model"])),
-                          cache=CacheConfig(block_size=block_size, num_blocks_override=num_blocks),
+                          cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
                           lora=LoRAConfig(max_loras=max_loras, max_lora_rank=MAX_RANK),
                           scheduler=SchedulerConfig(**sched), device="cpu", async_scheduling=async_scheduling)
     engine = Engine(config)
