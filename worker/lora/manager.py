@@ -62,7 +62,9 @@ def build_gpu_pool(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, dev
 
 
 class AdapterManager:
-    """The tiers over `pool` (the runner's, of `model`, built by `build_gpu_pool` from the same `config`)."""
+    """A rank's adapter tiers over `pool` (the runner's, of `model`, built by `build_gpu_pool` from the same `config`).
+    Rank 0 uses them all; a follower rank only `follow_read` and `follow_load` (its host cache, reader and pool).
+    `followers`: on rank 0 under tensor parallelism, the ranks told of each read and copy."""
 
     def __init__(self, config: LoRAConfig, arch: ArchConfig, pool: GPULoRAPool, model: nn.Module,
                  followers: AdapterFollowers | None = None):
@@ -75,7 +77,7 @@ class AdapterManager:
         self.packer = PackedReader(arch, pool.layout, pin=pool.slots.device.type == "cuda",
                                    read_threads=config.lora_read_threads if overlap else 1, shard=model)
         self.reader = AdapterReader(self.packer, self.host_cache, config.lora_load_workers,
-                                    on_read=followers.read if followers else None)
+                                    on_read=followers.read if followers is not None else None)
         # rank 0's decisions
         self.slots = SlotTable(config.max_loras, config.lora_eviction_policy)   # the scheduler's
         self.prefetcher = (Prefetcher(self.slots, self.host_cache, self.reader, window=max(2 * config.max_loras, 8),
@@ -83,7 +85,7 @@ class AdapterManager:
                            if overlap else None)                 # None: blocking loads
         self.registry = AdapterRegistry(config, arch, self.slots, self.host_cache, self.reader)
         self.loads = AdapterLoads(self.reader, self.host_cache, pool, self.slots, self.registry,
-                                  on_load=followers.load if followers else None)
+                                  on_load=followers.load if followers is not None else None)
         # a follower's reads of its share: in flight, or done outside the host cache (no entry could be had)
         self._shard_reads: dict[AdapterRef, concurrent.futures.Future[tuple[HostAdapter, float]]] = {}
 
