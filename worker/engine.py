@@ -8,8 +8,9 @@ One step (async scheduling: the device may still compute the step before):
     scheduler.tokens_arrived(prev_batch, prev.result().token_ids)   # file the previous step's tokens
 
 Adapters live in three tiers: registered on disk (lora/registry.py), packed in the host cache
-(lora/host_cache.py) and in a GPU slot (lora/gpu_pool.py). The scheduler decides which slot gets which
-adapter; lora/loads.py carries the loads out and files them as they finish.
+(lora/host_cache.py) and in a GPU slot (lora/gpu_pool.py), all owned by one AdapterManager (lora/manager.py).
+The scheduler decides which slot gets which adapter; lora/loads.py carries the loads out and files them as
+they finish.
 """
 from __future__ import annotations
 
@@ -27,14 +28,8 @@ from worker.distributed.tensor_parallel import SINGLE
 from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
 from worker.launch_pacer import LaunchPacer, StepShape
-from worker.lora.host_cache import HostCache
-from worker.lora.reader import AdapterReader
-from worker.lora.loads import AdapterLoads, FailedLoad
-from worker.lora.prefetcher import Prefetcher
-from worker.lora.registry import AdapterRegistry
-from worker.lora.slot_layout import PackedReader
-from worker.lora.slot_table import SlotTable
-from worker.lora.host_cache_plan import plan_host_cache
+from worker.lora.loads import FailedLoad
+from worker.lora.manager import AdapterManager
 from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.arch import ArchConfig
 from worker.request import Request
@@ -84,24 +79,11 @@ class Engine:
         if self.followers is not None:
             self.followers.before_leave = self.runner.release_graphs
         self.num_kv_blocks = self.runner.num_kv_blocks
-        lora = config.lora
-        host_cache = HostCache(plan_host_cache(lora, self.runner.lora_pool.layout.num_bytes,
-                                               config.tensor_parallel_size))
-        reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
-                              read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1,
-                              shard=self.runner.model)
-        loader = AdapterReader(reader, host_cache, lora.lora_load_workers,
-                               on_read=self.followers.read if self.followers else None)
-        slots = SlotTable(lora.max_loras, lora.lora_eviction_policy)
-        prefetcher = (Prefetcher(slots, host_cache, loader, window=max(2 * lora.max_loras, 8),
-                                 max_reads=2 * lora.lora_load_workers)
-                      if lora.enable_lora_overlap_loading else None)
+        self.adapters = AdapterManager(config.lora, self.arch, self.runner.lora_pool, self.runner.model,
+                                       followers=self.followers)
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher,
+        self.scheduler = Scheduler(config.scheduler, allocator, self.adapters.slots, self.adapters.prefetcher,
                                    enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.adapters = AdapterRegistry(lora, self.arch, slots, host_cache, loader)
-        self.loads = AdapterLoads(loader, host_cache, self.runner.lora_pool, slots, self.adapters,
-                                  on_load=self.followers.load if self.followers else None)
         self.structured = StructuredOutputs(config.model.tokenizer or config.model.path, self.vocab_size,
                                             self.eos_token_ids, self.device)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
@@ -111,7 +93,7 @@ class Engine:
         self._arrivals = itertools.count()
         logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads, prefix caching %s",
                     self.arch.architecture, self.device, self.dtype, self.num_kv_blocks,
-                    "overlapped" if prefetcher is not None else "blocking",
+                    "overlapped" if self.adapters.prefetcher is not None else "blocking",
                     "on" if config.cache.enable_prefix_caching else "off")
 
     # adapters
@@ -120,18 +102,18 @@ class Engine:
                     warm: bool = False) -> None:
         """Validate and register an adapter; its weights are read when a request first needs them, or now,
         beside the steps, into the host cache when `warm` and the cache has room (--lora-modules)."""
-        self.adapters.add(name, path, load_inplace=load_inplace, pinned=pinned, warm=warm)
+        self.adapters.registry.add(name, path, load_inplace=load_inplace, pinned=pinned, warm=warm)
 
     def remove_adapter(self, name: str) -> None:
         """Unregister `name`: new requests get 404, unfinished ones finish, then its memory is freed."""
-        self.adapters.remove(name)
+        self.adapters.registry.remove(name)
 
     def adapter_states(self) -> list[AdapterState]:
-        return self.adapters.states(Counter(r.adapter for r in self.scheduler.running),
-                                    Counter(r.adapter for r in self.scheduler.waiting))
+        return self.adapters.registry.states(Counter(r.adapter for r in self.scheduler.running),
+                                             Counter(r.adapter for r in self.scheduler.waiting))
 
     def lora_stats(self) -> LoRAStats:
-        return self.adapters.stats()
+        return self.adapters.registry.stats()
 
     # requests
 
@@ -140,7 +122,7 @@ class Engine:
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
-        ref = None if lora_name is None else self.adapters.acquire(lora_name)
+        ref = None if lora_name is None else self.adapters.registry.acquire(lora_name)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), ref,
                           tuple(self.eos_token_ids), self.max_model_len)
         if params.structured is not None:
@@ -161,11 +143,11 @@ class Engine:
 
     def has_background_work(self) -> bool:
         """Adapter reads or slot copies in flight (the --lora-modules adapters read at startup, prefetches)."""
-        return self.loads.num_in_flight > 0
+        return self.adapters.loads.num_in_flight > 0
 
     def idle_poll(self) -> list[RequestOutput]:
         """File the adapter reads and copies that finished while idle, so that they show as resident."""
-        return self._fail_loads(self.loads.collect())
+        return self._fail_loads(self.adapters.loads.collect())
 
     @property
     def num_running(self) -> int:
@@ -195,9 +177,7 @@ class Engine:
         """Adapters resident in a GPU slot (or being copied into one), and those of the running requests
         (an older version of a name still finishing after a load_inplace): vllm:lora_requests_info's
         running_lora_adapters, which the endpoint picker reads as "already loaded here"."""
-        current = self.adapters.refs
-        resident = {ref.name for ref in self.adapters.slots.residents() if current.get(ref.name) == ref}
-        return sorted(resident | {r.adapter.name for r in self.scheduler.running if r.adapter})
+        return sorted(self.adapters.resident_names() | {r.adapter.name for r in self.scheduler.running if r.adapter})
 
     def waiting_adapter_names(self) -> list[str]:
         return sorted({r.adapter.name for r in self.scheduler.waiting if r.adapter})
@@ -221,13 +201,13 @@ class Engine:
         while (batch := self._schedule(outputs)).is_empty:
             if self._in_flight is not None:
                 outputs += self._file_tokens()   # nothing can run beside it; its tokens may make room
-            elif not (self.structured.wait(deadline - time.monotonic()) or self.loads.wait(deadline)):
+            elif not (self.structured.wait(deadline - time.monotonic()) or self.adapters.loads.wait(deadline)):
                 return outputs
-        self.loads.join(batch.lora_slots)
+        self.adapters.loads.join(batch.lora_slots)
         prev = None if self._in_flight is None else self._in_flight[1]
         launched = (batch, self._execute(batch, prev, outputs))
         if self._pacer is not None:
-            self._pacer.launched(batch, copying=self.loads.num_in_flight > 0)
+            self._pacer.launched(batch, copying=self.adapters.loads.num_in_flight > 0)
         outputs += self._launched(batch)
         if self._in_flight is not None:
             outputs += self._file_tokens()
@@ -259,10 +239,10 @@ class Engine:
     def _schedule(self, outputs: list[RequestOutput]) -> ScheduledBatch:
         """File the adapter loads that finished, schedule, and issue the batch's loads. An empty batch is
         filed as launched at once (every schedule() is followed by launched())."""
-        outputs += self._fail_loads(self.loads.collect())
+        outputs += self._fail_loads(self.adapters.loads.collect())
         outputs += self._admit_compiled()
         batch = self.scheduler.schedule()
-        outputs += self._fail_loads(self.loads.issue(batch.adapter_loads), batch)
+        outputs += self._fail_loads(self.adapters.loads.issue(batch.adapter_loads), batch)
         if batch.is_empty:
             outputs += self._launched(batch)
         return batch
@@ -346,4 +326,4 @@ class Engine:
         """A finished request gives back its reference on its adapter's version, and its grammar matcher."""
         self.structured.forget(request.request_id)
         if request.adapter is not None:
-            self.adapters.release(request.adapter)
+            self.adapters.registry.release(request.adapter)

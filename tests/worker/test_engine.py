@@ -155,7 +155,7 @@ def test_abort_frees_blocks_and_adapter_reference(llama):
     engine.abort_request("b")
     assert engine.scheduler.blocks.num_free == free
     assert not engine.has_unfinished() and engine.num_running == 0
-    assert all(refcount(engine.scheduler.slots, r) == 0 for r in engine.adapters.refs.values())
+    assert all(refcount(engine.scheduler.slots, r) == 0 for r in engine.adapters.registry.refs.values())
     assert engine.abort_request("a") is None
 
 

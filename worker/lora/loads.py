@@ -35,9 +35,9 @@ class FailedLoad:
 
 
 class AdapterLoads:
-    def __init__(self, loader: AdapterReader, host_cache: HostCache, pool: GPULoRAPool, slots: SlotTable,
+    def __init__(self, reader: AdapterReader, host_cache: HostCache, pool: GPULoRAPool, slots: SlotTable,
                  registry: AdapterRegistry, on_load: Callable[[AdapterRef, AdapterSpec, int, int], None] | None = None):
-        self.loader, self.host_cache, self.pool = loader, host_cache, pool
+        self.reader, self.host_cache, self.pool = reader, host_cache, pool
         self.on_load = on_load        # (ref, spec, slot, rank) of each copy issued: the other tensor-parallel ranks'
         self.slots = slots            # the scheduler's slot table: a finished copy marks its slot loaded
         self.registry = registry      # load times and bytes, per tier
@@ -47,7 +47,7 @@ class AdapterLoads:
     @property
     def num_in_flight(self) -> int:
         """Disk reads and slot copies started and not yet filed."""
-        return self.loader.num_in_flight + self._copies_in_flight
+        return self.reader.num_in_flight + self._copies_in_flight
 
     def collect(self) -> list[FailedLoad]:
         """File the disk reads and slot copies that finished; returns the reads that failed."""
@@ -69,7 +69,7 @@ class AdapterLoads:
                     continue
             self.pool.start_load(slot, entry.packed, entry.rank, ref)
             if self.on_load is not None:
-                self.on_load(ref, self.loader.spec(ref), slot, entry.rank)
+                self.on_load(ref, self.reader.spec(ref), slot, entry.rank)
             self._copies_in_flight += 1
         return failed
 
@@ -85,15 +85,15 @@ class AdapterLoads:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            if self.loader.num_in_flight:
-                self.loader.wait(POLL_S)
+            if self.reader.num_in_flight:
+                self.reader.wait(POLL_S)
             else:
                 time.sleep(POLL_S)
         return False
 
     def _file_finished(self) -> int:
         """File finished reads (failures kept for collect()) and copies; how many finished."""
-        reads = self.loader.poll()
+        reads = self.reader.poll()
         for read in reads:
             if read.error is not None:
                 self._failed.append(_failed(read.ref, read.error))
@@ -110,7 +110,7 @@ class AdapterLoads:
         """Read `ref` in this thread into the host cache (when it has room); raises what the read raised."""
         cached = self.host_cache.reserve(ref)
         try:
-            entry, seconds = self.loader.read_now(ref)
+            entry, seconds = self.reader.read_now(ref)
         except Exception:
             self.host_cache.drop(ref)
             raise

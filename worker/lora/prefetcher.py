@@ -15,7 +15,7 @@ from worker.lora.host_cache import HostCache
 from worker.lora.slot_table import SlotTable
 from worker.request import AdapterRef, Request
 
-if TYPE_CHECKING:   # the loader reads files on threads; the scheduler's imports stay bookkeeping alone
+if TYPE_CHECKING:   # AdapterReader reads files on threads; the scheduler's imports stay bookkeeping alone
     from worker.lora.reader import AdapterReader
 
 
@@ -29,8 +29,8 @@ class Prefetcher:
     """Looks at the first `window` distinct adapters of the queue; keeps at most `max_reads` disk
     reads in flight."""
 
-    def __init__(self, slots: SlotTable, host: HostCache, loader: AdapterReader, window: int, max_reads: int):
-        self.slots, self.host, self.loader = slots, host, loader
+    def __init__(self, slots: SlotTable, host: HostCache, reader: AdapterReader, window: int, max_reads: int):
+        self.slots, self.host, self.reader = slots, host, reader
         self.window, self.max_reads = window, max_reads
 
     def prefetch(self, waiting: Iterable[Request]) -> Prefetch:
@@ -50,10 +50,10 @@ class Prefetcher:
                     result.starved.add(ref)
                 else:
                     result.loads.append((ref, slot))
-            elif ref not in self.host and host_open and self.loader.num_in_flight < self.max_reads:
+            elif ref not in self.host and host_open and self.reader.num_in_flight < self.max_reads:
                 host_open = self.host.reserve(ref, protected, next_use)
                 if host_open:
-                    self.loader.start(ref)
+                    self.reader.start(ref)
         return result
 
     def _queued_adapters(self, waiting: Iterable[Request]) -> list[AdapterRef]:

@@ -83,6 +83,11 @@ class AdapterReader:
         done, _ = concurrent.futures.wait(self._reads, timeout, concurrent.futures.FIRST_COMPLETED)
         return bool(done)
 
+    def submit(self, spec: AdapterSpec) -> concurrent.futures.Future[tuple[HostAdapter, float]]:
+        """Read `spec` on a worker thread, outside the host cache: (entry, seconds). A follower rank's reads
+        (lora/manager.py), which its own host cache files."""
+        return self.executor.submit(self._timed_read, spec)
+
     def spec(self, ref: AdapterRef) -> AdapterSpec:
         return self._specs[ref]
 

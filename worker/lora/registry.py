@@ -60,9 +60,9 @@ class TierCounters:
 
 class AdapterRegistry:
     def __init__(self, config: LoRAConfig, arch: ArchConfig, slots: SlotTable, host_cache: HostCache,
-                 loader: AdapterReader):
+                 reader: AdapterReader):
         self.config, self.arch = config, arch
-        self.slots, self.host_cache, self.loader = slots, host_cache, loader
+        self.slots, self.host_cache, self.reader = slots, host_cache, reader
         self.refs: dict[str, AdapterRef] = {}                 # registered name -> current version
         self.versions: dict[AdapterRef, AdapterVersion] = {}  # live versions (current, or still in use)
         self.tiers = {"host": TierCounters(), "gpu": TierCounters()}
@@ -84,7 +84,7 @@ class AdapterRegistry:
         ref = AdapterRef(name, self._uids)
         self.refs[name] = ref
         self.versions[ref] = AdapterVersion(spec, 1 if old is None else self.versions[old].version + 1, pinned)
-        self.loader.register(ref, spec)
+        self.reader.register(ref, spec)
         if pinned:
             self.slots.pin(ref)
             self.host_cache.pin(ref)
@@ -92,7 +92,7 @@ class AdapterRegistry:
             self._release(old)
         if warm and self.host_cache.has_room():
             self.host_cache.reserve(ref)
-            self.loader.start(ref)
+            self.reader.start(ref)
         logger.info("adapter %s (rank %d, %s) registered from %s", name, spec.rank,
                     ",".join(spec.target_modules), path)
 
@@ -186,7 +186,7 @@ class AdapterRegistry:
         for tier in (self.slots, self.host_cache):
             tier.drop(ref)
             tier.unpin(ref)
-        self.loader.forget(ref)
+        self.reader.forget(ref)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -1,5 +1,5 @@
 """adapter_model.safetensors read with plain file I/O: the header is JSON, the data one buffer that a single
-`split` cuts into every tensor's bytes. Reads run on loader threads beside a busy step loop, and every tensor
+`split` cuts into every tensor's bytes. Reads run on reader threads beside a busy step loop, and every tensor
 operation releases and retakes the GIL, so the reading path makes a handful of them, not one per tensor.
 """
 from __future__ import annotations

@@ -12,12 +12,11 @@ import torch
 
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
-from worker.lora.shards import shard_loras_fully
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks
 from worker.layers.sparse_moe import SparseMoE
-from worker.lora.gpu_pool import GPULoRAPool
+from worker.lora.manager import build_gpu_pool
 from worker.model_runner.cuda_graph import CUDAGraphRunner
 from worker.model_runner.input_builder import InputBuilder
 from worker.model_runner.logprobs import compute_logprobs
@@ -134,14 +133,7 @@ class ModelRunner:
         m, sched, cache = config.model, config.scheduler, config.cache
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed, tp)
         arch = dataclasses.replace(arch, num_kv_heads=self.model.num_kv_heads)   # the K/V this rank caches
-        fully_sharded = config.lora.fully_sharded_loras and tp.world_size > 1
-        if fully_sharded:
-            shard_loras_fully(self.model, config.lora.max_lora_rank)
-        self.lora_pool = GPULoRAPool(self.model, config.lora.max_loras, config.lora.max_lora_rank, dtype, device,
-                                     side_stream=config.kernels.lora_side_stream)
-        if tp.world_size > 1:
-            logger.info("LoRA %s over %d ranks: a slot takes %.2f MiB here", "fully sharded" if fully_sharded
-                        else "sharded", tp.world_size, self.lora_pool.layout.num_bytes / 2**20)
+        self.lora_pool = build_gpu_pool(self.model, config.lora, dtype, device, config.kernels.lora_side_stream)
         max_blocks = -(-max_model_len // cache.block_size)
         self.input_builder = InputBuilder(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
                                           cache.block_size, device, self.lora_pool.ranks_host,

@@ -3,7 +3,7 @@
 Started by ranks/group.py as `python -m worker.ranks.follower FD`, FD one end of a socket to rank 0.
 The first message is a FollowerStart; then, until the socket closes (rank 0 stopped or died):
 
-    ("read", ref, spec)               read this rank's shard of an adapter into host memory, on a thread
+    ("read", ref, spec)               read this rank's shard of an adapter into its host cache, on a thread
     ("load", ref, spec, slot, rank)   copy it into the slot (reading it first if no read was announced)
     ("step", StepMessage)             the step's forward pass, then the sampled ids rank 0 broadcasts
 
@@ -12,68 +12,28 @@ rank 0's watchdog turns into a stopped server rather than a wrong answer.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import faulthandler
 import logging
 import os
 import pickle
 import signal
 import sys
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections import deque
 from multiprocessing.connection import Connection
 
 import torch
 
 from worker.ranks.group import FollowerStart, join_group, leave_group
 from worker.ranks.step_mirror import StepDecoder, StepMessage
-from worker.lora.adapter import AdapterSpec
-from worker.lora.gpu_pool import GPULoRAPool
-from worker.lora.host_cache import HostAdapter
-from worker.lora.slot_layout import PackedReader
-from worker.lora.host_cache_plan import plan_host_cache
+from worker.lora.manager import AdapterManager
 from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.arch import ArchConfig
-from worker.request import AdapterRef
 
 logger = logging.getLogger(__name__)
 
 
-class FollowerAdapters:
-    """This rank's shards of the adapters rank 0 reads: reads on a thread pool, kept least recently used first."""
-
-    def __init__(self, read: Callable[[AdapterSpec], HostAdapter], pool: GPULoRAPool, capacity: int | None,
-                 workers: int):
-        self._read, self._pool, self._capacity = read, pool, capacity
-        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lora-read")
-        self._reads: OrderedDict[AdapterRef, concurrent.futures.Future] = OrderedDict()
-
-    def read(self, ref: AdapterRef, spec: AdapterSpec) -> concurrent.futures.Future:
-        future = self._reads.get(ref)
-        if future is None:
-            future = self._reads[ref] = self._executor.submit(self._read_inference, spec)
-            self._evict()
-        self._reads.move_to_end(ref)
-        return future
-
-    def load(self, ref: AdapterRef, spec: AdapterSpec, slot: int, rank: int) -> None:
-        entry: HostAdapter = self.read(ref, spec).result()     # begun with rank 0's read: usually done
-        self._pool.start_load(slot, entry.packed, rank, ref)
-
-    def _read_inference(self, spec: AdapterSpec) -> HostAdapter:
-        with torch.inference_mode():
-            return self._read(spec)
-
-    def _evict(self) -> None:
-        """Drop the least recently used finished reads past the capacity (rank 0's host cache size)."""
-        if self._capacity is None:
-            return
-        for ref in [r for r, f in self._reads.items() if f.done()][:max(0, len(self._reads) - self._capacity)]:
-            del self._reads[ref]
-
-
 class Follower:
-    def __init__(self, conn: Connection, runner: ModelRunner, adapters: FollowerAdapters):
+    def __init__(self, conn: Connection, runner: ModelRunner, adapters: AdapterManager):
         self._conn, self._runner, self._adapters = conn, runner, adapters
         self._steps = StepDecoder()
         self._prev: StepHandle | None = None
@@ -89,15 +49,15 @@ class Follower:
                 case ("step", StepMessage() as step):
                     self._step(step)
                 case ("read", ref, spec):
-                    self._adapters.read(ref, spec)
+                    self._adapters.follow_read(ref, spec)
                 case ("load", ref, spec, slot, rank):
-                    self._adapters.load(ref, spec, slot, rank)
+                    self._adapters.follow_load(ref, spec, slot, rank)
                 case _:
                     raise ValueError(f"unknown message from rank 0: {message[0]!r}")
 
     def _step(self, message: StepMessage) -> None:
         batch = self._steps.decode(message)
-        pool = self._runner.lora_pool
+        pool = self._adapters.pool
         pool.finished_loads()                 # nothing to file here: rank 0 decides when a slot may be read
         pool.wait_for(batch.lora_slots)
         if len(self._launched) == 2:          # the input builder's host buffers take turns: the set this step
@@ -128,10 +88,7 @@ def main(fd: int) -> None:
                     config.kernels.all_reduce_kernel)
     arch = ArchConfig.from_dir(config.model.path)
     runner = ModelRunner(config, arch, device, start.dtype, start.max_model_len, tp=tp)
-    lora = config.lora
-    reader = PackedReader(arch, runner.lora_pool.layout, pin=device.type == "cuda", shard=runner.model)
-    capacity = plan_host_cache(lora, runner.lora_pool.layout.num_bytes, start.world_size)   # as rank 0 sizes its
-    adapters = FollowerAdapters(reader, runner.lora_pool, capacity, lora.lora_load_workers)     # host cache
+    adapters = AdapterManager(config.lora, arch, runner.lora_pool, runner.model)   # its host cache sized as rank 0's
     logger.info("rank %d of %d ready on %s", start.rank, start.world_size, device)
     try:
         Follower(conn, runner, adapters).serve()

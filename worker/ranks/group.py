@@ -85,7 +85,7 @@ class FollowerRanks:
         self._on_rank_exit = on_rank_exit        # None: _exit_process
         self.before_leave: Callable[[], None] | None = None   # run before leaving the group (the runner's graphs)
         self._closing = False
-        self._lock = threading.Lock()        # adapter reads are announced from the loader's threads
+        self._lock = threading.Lock()        # adapter reads are announced from the reader's threads
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
         for rank in range(1, world_size):

@@ -27,7 +27,7 @@ import logging
 import time
 
 from worker.batch import ScheduledBatch, ScheduledSeq
-from worker.config import LoRAConfig, SchedulerConfig
+from worker.config import SchedulerConfig
 from worker.kv_cache.block_allocator import BlockAllocator
 from worker.kv_cache.prefix_cache import PrefixCache
 from worker.lora.prefetcher import Prefetcher
@@ -39,15 +39,11 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, lora_config: LoRAConfig,
-                 block_allocator: BlockAllocator, slot_table: SlotTable, prefetcher: Prefetcher | None = None,
-                 enable_prefix_caching: bool = False):
-        if slot_table.num_slots != lora_config.max_loras:
-            raise ValueError(f"slot table has {slot_table.num_slots} slots but max_loras is "
-                             f"{lora_config.max_loras}")
+    def __init__(self, scheduler_config: SchedulerConfig, block_allocator: BlockAllocator, slot_table: SlotTable,
+                 prefetcher: Prefetcher | None = None, enable_prefix_caching: bool = False):
         self.config = scheduler_config
         self.blocks = PrefixCache(block_allocator, enable_prefix_caching)
-        self.slots = slot_table
+        self.slots = slot_table             # lora/manager.py's: max_loras slots, as many as the GPU pool
         self.prefetcher = prefetcher        # None: blocking adapter loads
         self.waiting: list[Request] = []   # policy.waiting_key order; read-only outside this class
         self.running: list[Request] = []   # policy.running_key order (oldest first); read-only outside

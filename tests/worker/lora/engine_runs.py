@@ -42,7 +42,7 @@ def make_engine(model_dir, adapters: dict[str, str] | None = None, *, overlap: b
                                  lora=lora, scheduler=SchedulerConfig(**sched), device="cpu",
                                  async_scheduling=async_scheduling))
     if not threads:
-        engine.loads.loader.executor = InlineExecutor()
+        engine.adapters.reader.executor = InlineExecutor()
     for name, path in (adapters or {}).items():
         engine.add_adapter(name, path)
     return engine

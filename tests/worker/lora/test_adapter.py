@@ -71,7 +71,7 @@ def test_unsupported_config_is_refused_by_name(engine, hf_models, tmp_path, chan
     with pytest.raises(AdapterError) as err:
         engine.add_adapter("bad", str(path))
     assert message in str(err.value)
-    assert "bad" not in engine.adapters.refs
+    assert "bad" not in engine.adapters.registry.refs
 
 
 def test_files_linked_from_outside_a_lora_dir_are_not_found_there(hf_models, tmp_path):
@@ -95,7 +95,7 @@ def test_tensor_of_wrong_shape_is_refused(engine, hf_models, tmp_path):
     save_file(tensors, str(path / "adapter_model.safetensors"))
     with pytest.raises(AdapterError, match=r"do not fit the base model"):
         engine.add_adapter("bad", str(path))
-    assert "bad" not in engine.adapters.refs
+    assert "bad" not in engine.adapters.registry.refs
 
 
 def test_weights_for_a_layer_the_model_lacks_are_refused(engine, hf_models, tmp_path):

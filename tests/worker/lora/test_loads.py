@@ -52,8 +52,8 @@ def test_hits_and_misses_are_counted_when_requests_arrive(llama, variants):
 
 def test_request_waits_for_its_adapter_read_while_others_run(llama, variants):
     engine = make_engine(llama, {"v1": variants["v1"]}, threads=True)
-    gate, read = threading.Event(), engine.loads.loader.read
-    engine.loads.loader.read = lambda spec: (gate.wait(30), read(spec))[1]
+    gate, read = threading.Event(), engine.adapters.reader.read
+    engine.adapters.reader.read = lambda spec: (gate.wait(30), read(spec))[1]
     engine.add_request("base", prompt(5, 0), greedy(12), None)
     engine.add_request("x", prompt(7, 1), greedy(5), "v1")
     assert engine.step() == []      # launches base's prefill; its token comes back with the next step
@@ -74,10 +74,10 @@ def test_request_is_admitted_with_its_copy_while_the_copy_is_in_flight(llama, va
     copy into its slot (its step waits for the copy on the device, tests/gpu), while the device has not
     reported the copy done; the adapter counts as loading, not resident, until it does."""
     engine = make_engine(llama, {"v2": variants["v2"]})
-    finished, released = engine.loads.pool.finished_loads, threading.Event()
-    engine.loads.pool.finished_loads = lambda: finished() if released.is_set() else []
+    finished, released = engine.adapters.pool.finished_loads, threading.Event()
+    engine.adapters.pool.finished_loads = lambda: finished() if released.is_set() else []
     schedules, issued_at, admitted_at = [], [], []
-    schedule, load = engine.scheduler.schedule, engine.loads.pool.start_load
+    schedule, load = engine.scheduler.schedule, engine.adapters.pool.start_load
 
     def counting_schedule():
         batch = schedule()
@@ -86,7 +86,7 @@ def test_request_is_admitted_with_its_copy_while_the_copy_is_in_flight(llama, va
             admitted_at.append(len(schedules))
         return batch
     engine.scheduler.schedule = counting_schedule
-    engine.loads.pool.start_load = lambda *args: (issued_at.append(len(schedules)), load(*args))
+    engine.adapters.pool.start_load = lambda *args: (issued_at.append(len(schedules)), load(*args))
     engine.add_request("base", prompt(5, 2), greedy(20), None)
     engine.add_request("x", prompt(3, 3), greedy(4), "v2")
     assert engine.step() == []      # launches base's prefill (x's read starts); tokens come with the next step
@@ -106,10 +106,11 @@ def test_request_is_admitted_with_its_copy_while_the_copy_is_in_flight(llama, va
 def test_idle_engine_admits_a_request_in_the_step_that_issues_its_copy(llama, variants):
     engine = make_engine(llama, {"v0": variants["v0"]})
     order = []
-    schedule, load, finished = engine.scheduler.schedule, engine.loads.pool.start_load, engine.loads.pool.finished_loads
+    pool = engine.adapters.pool
+    schedule, load, finished = engine.scheduler.schedule, pool.start_load, pool.finished_loads
     engine.scheduler.schedule = lambda: (b := schedule(), order.append(("schedule", bool(b.seqs))))[0]
-    engine.loads.pool.start_load = lambda *args: (order.append(("copy", None)), load(*args))
-    engine.loads.pool.finished_loads = lambda: (done := finished(), order.extend(("done", None) for _ in done))[0]
+    pool.start_load = lambda *args: (order.append(("copy", None)), load(*args))
+    pool.finished_loads = lambda: (done := finished(), order.extend(("done", None) for _ in done))[0]
     engine.add_request("x", prompt(4, 4), greedy(3), "v0")
     outs = run(engine)
     first_run = order.index(("schedule", True))
@@ -143,8 +144,8 @@ class SlotWatcher:
 
     def __init__(self, engine: Engine):
         self.engine, self.content, self.done, self.joined = engine, {}, set(), set()
-        load, finished, execute = engine.loads.pool.start_load, engine.loads.pool.finished_loads, engine.runner.execute
-        wait = engine.loads.pool.wait_for
+        pool = engine.adapters.pool
+        load, finished, execute, wait = pool.start_load, pool.finished_loads, engine.runner.execute, pool.wait_for
 
         def watch_load(slot, packed, rank, key):
             users = [r for r in engine.scheduler.running if slot in self.content and r.adapter == self.content[slot]]
@@ -169,8 +170,8 @@ class SlotWatcher:
                     assert self.content[seq.lora_slot] == seq.request.adapter
                     assert seq.lora_slot in self.done or seq.lora_slot in self.joined
             return execute(batch, prev)
-        engine.loads.pool.start_load, engine.loads.pool.finished_loads = watch_load, watch_finished
-        engine.loads.pool.wait_for, engine.runner.execute = watch_wait, watch_execute
+        pool.start_load, pool.finished_loads = watch_load, watch_finished
+        pool.wait_for, engine.runner.execute = watch_wait, watch_execute
 
 
 @pytest.mark.parametrize("overlap, policy, threads", [(True, "lru", False), (True, "fifo", False),
@@ -178,7 +179,7 @@ class SlotWatcher:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_many_adapters_few_slots_every_output_equals_the_request_alone(llama, variants, overlap, policy, threads,
                                                                       seed, monkeypatch):
-    """threads: reads on the loader's threads, each split in parts read side by side (inline otherwise)."""
+    """threads: reads on the reader's threads, each split in parts read side by side (inline otherwise)."""
     if threads:
         from worker.lora import file_reads
         monkeypatch.setattr(file_reads, "MIN_PART_BYTES", 1000)

@@ -1,4 +1,4 @@
-"""Queue-driven prefetch: the prefetcher alone (real slot table and host cache, a recording loader), then
+"""Queue-driven prefetch: the prefetcher alone (real slot table and host cache, a recording reader), then
 in an engine, where a queued request's adapter is resident before its turn comes."""
 
 import torch
@@ -14,7 +14,7 @@ from worker.request import AdapterRef, Request
 REFS = [AdapterRef(f"a{i}", 1) for i in range(8)]
 
 
-class RecordingLoader:
+class RecordingReader:
     """Stands in for AdapterReader: remembers which reads were started; they never finish by themselves."""
 
     def __init__(self):
@@ -45,20 +45,20 @@ def loaded(slots: SlotTable, *refs):
 
 
 def make(num_slots=2, host_capacity=None, window=8, max_reads=4):
-    slots, host, loader = SlotTable(num_slots), HostCache(host_capacity), RecordingLoader()
-    return Prefetcher(slots, host, loader, window, max_reads), slots, host, loader
+    slots, host, reader = SlotTable(num_slots), HostCache(host_capacity), RecordingReader()
+    return Prefetcher(slots, host, reader, window, max_reads), slots, host, reader
 
 
 def test_adapters_on_the_host_get_slots_in_queue_order_and_others_are_read():
-    prefetcher, slots, host, loader = make(num_slots=2)
+    prefetcher, slots, host, reader = make(num_slots=2)
     on_host(host, REFS[1], REFS[2], REFS[3])
     plan = prefetcher.prefetch(queue(REFS[0], None, REFS[2], REFS[1], REFS[3], REFS[2]))
     assert plan.loads == [(REFS[2], 0), (REFS[1], 1)]
     assert plan.starved == {REFS[3]}
-    assert loader.started == [REFS[0]] and REFS[0] in host and not host.is_filled(REFS[0])
+    assert reader.started == [REFS[0]] and REFS[0] in host and not host.is_filled(REFS[0])
     assert slots.is_loading(REFS[2]) and not slots.is_loaded(REFS[2])
     again = prefetcher.prefetch(queue(REFS[0], REFS[2]))     # nothing new to do while loads are in flight
-    assert again.loads == [] and loader.started == [REFS[0]]
+    assert again.loads == [] and reader.started == [REFS[0]]
 
 
 def test_prefetch_never_evicts_a_running_or_earlier_queued_adapter():
@@ -92,20 +92,20 @@ def test_a_slot_still_loading_is_never_taken():
 
 
 def test_host_reads_stop_at_max_reads_and_never_evict_earlier_queued_entries():
-    prefetcher, slots, host, loader = make(num_slots=1, host_capacity=2, max_reads=8)
+    prefetcher, slots, host, reader = make(num_slots=1, host_capacity=2, max_reads=8)
     on_host(host, REFS[0])
     loaded(slots, REFS[0])
     prefetcher.prefetch(queue(REFS[0], REFS[1], REFS[2], REFS[3]))
-    assert loader.started == [REFS[1]]      # the host holds REFS[0] (queued first) and REFS[1]: full
-    prefetcher, _, host, loader = make(host_capacity=None, max_reads=2)
+    assert reader.started == [REFS[1]]      # the host holds REFS[0] (queued first) and REFS[1]: full
+    prefetcher, _, host, reader = make(host_capacity=None, max_reads=2)
     prefetcher.prefetch(queue(*REFS[:5]))
-    assert loader.started == REFS[:2]
+    assert reader.started == REFS[:2]
 
 
 def test_window_bounds_how_far_the_queue_is_read():
-    prefetcher, _, _, loader = make(window=3, max_reads=8)
+    prefetcher, _, _, reader = make(window=3, max_reads=8)
     prefetcher.prefetch(queue(REFS[0], REFS[0], None, REFS[1], REFS[2], REFS[3], REFS[4]))
-    assert loader.started == REFS[:3]
+    assert reader.started == REFS[:3]
 
 
 def test_queued_adapter_is_on_the_gpu_before_its_turn(llama):
@@ -119,8 +119,9 @@ def test_queued_adapter_is_on_the_gpu_before_its_turn(llama):
     engine.add_request("a", [5, 6, 7], greedy, first)
     engine.add_request("b", [8, 9], greedy, second)
     loads = []
-    load = engine.loads.pool.start_load
-    engine.loads.pool.start_load = lambda slot, packed, rank, key: (loads.append(key.name), load(slot, packed, rank, key))
+    pool = engine.adapters.pool
+    load = pool.start_load
+    pool.start_load = lambda slot, packed, rank, key: (loads.append(key.name), load(slot, packed, rank, key))
     steps, finished_a = [], None
     while engine.has_unfinished():
         outs = {o.request_id: o for o in engine.step()}

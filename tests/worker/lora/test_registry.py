@@ -97,11 +97,11 @@ def test_pinned_adapter_is_never_evicted(llama, variants):
     for name in ("v1", "v2", "v3"):
         engine.add_adapter(name, variants[name])
     run(engine, {0: [("p", prompt(3, 17), greedy(2), "pin")]})
-    slot = engine.scheduler.slots.slot_of(engine.adapters.refs["pin"])
+    slot = engine.adapters.slots.slot_of(engine.adapters.registry.refs["pin"])
     for i, name in enumerate(["v1", "v2", "v3", "v1"]):
         run(engine, {0: [(f"r{i}", prompt(3, i), greedy(2), name)]})
-        assert engine.scheduler.slots.slot_of(engine.adapters.refs["pin"]) == slot
-        assert engine.loads.host_cache.is_filled(engine.adapters.refs["pin"])
+        assert engine.adapters.slots.slot_of(engine.adapters.registry.refs["pin"]) == slot
+        assert engine.adapters.host_cache.is_filled(engine.adapters.registry.refs["pin"])
     assert [s.pinned for s in engine.adapter_states()] == [True, False, False, False]
     with pytest.raises(AdapterError, match="Cannot pin LoRA adapter 'v1': 1 adapters are pinned already"):
         engine.add_adapter("v1", variants["v1"], load_inplace=True, pinned=True)
@@ -114,7 +114,7 @@ def test_warm_adapters_are_read_into_the_host_cache_before_any_request(llama, va
     for name in ("v0", "v1", "v4"):                         # the third finds the host cache full: not read
         engine.add_adapter(name, variants[name], warm=True)
     engine.add_adapter("cold", variants["v0"])              # not warm: read on first use
-    engine.loads.collect()                                  # file the reads (inline executor: done already)
+    engine.adapters.loads.collect()                         # file the reads (inline executor: done already)
     residency = {s.name: s.residency for s in engine.adapter_states()}
     assert residency == {"v0": "host", "v1": "host", "v4": "disk", "cold": "disk"}
     outs = run(engine, {0: [("r", prompt(5, 6), greedy(4), "v1")]})

@@ -92,8 +92,8 @@ def test_reading_straight_into_place_gives_the_packed_bytes(llama, spec, max_ran
 def test_overlap_loading_splits_reads_across_threads_and_blocking_loads_read_in_the_loop(llama):
     overlap = make_engine(llama, read_threads=3)
     blocking = make_engine(llama, read_threads=3, overlap=False)
-    assert overlap.loads.loader.read.read_threads == 3 and overlap.loads.loader.read.pool is not None
-    assert blocking.loads.loader.read.read_threads == 1 and blocking.loads.loader.read.pool is None
+    assert overlap.adapters.reader.read.read_threads == 3 and overlap.adapters.reader.read.pool is not None
+    assert blocking.adapters.reader.read.read_threads == 1 and blocking.adapters.reader.read.pool is None
 
 
 def test_reading_into_place_leaves_other_dtypes_to_the_converting_read(llama, tmp_path):

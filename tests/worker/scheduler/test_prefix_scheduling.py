@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from worker.config import LoRAConfig, SchedulerConfig
+from worker.config import SchedulerConfig
 from worker.ipc.messages import SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
 from worker.lora.slot_table import SlotTable
@@ -20,8 +20,7 @@ A1, A2, B = AdapterRef("a", 1), AdapterRef("a", 2), AdapterRef("b", 3)
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, max_num_seqs=8, enabled=True):
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    return Scheduler(config, LoRAConfig(max_loras=3), BlockAllocator(num_blocks, block_size), SlotTable(3),
-                     enable_prefix_caching=enabled)
+    return Scheduler(config, BlockAllocator(num_blocks, block_size), SlotTable(3), enable_prefix_caching=enabled)
 
 
 def make_request(i, prompt, max_tokens, adapter=None, prompt_logprobs=None):

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from worker.config import LoRAConfig, SchedulerConfig
+from worker.config import SchedulerConfig
 from worker.ipc.messages import SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
 from worker.lora.slot_table import SlotTable
@@ -17,8 +17,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_l
                    max_bypasses=16):
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_adapter_bypasses=max_bypasses)
-    return Scheduler(config, LoRAConfig(max_loras=max_loras), BlockAllocator(num_blocks, block_size),
-                     SlotTable(max_loras))
+    return Scheduler(config, BlockAllocator(num_blocks, block_size), SlotTable(max_loras))
 
 
 def make_request(i, prompt_len, max_tokens, adapter=None):
@@ -470,11 +469,6 @@ def test_duplicate_request_id_rejected():
     scheduler.add_request(make_request(0, 2, 2))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(make_request(0, 2, 2))
-
-
-def test_slot_table_must_match_max_loras():
-    with pytest.raises(ValueError, match="max_loras"):
-        Scheduler(SchedulerConfig(), LoRAConfig(max_loras=4), BlockAllocator(4, 4), SlotTable(2))
 
 
 def test_rows_are_grouped_by_slot_so_each_adapter_is_one_lora_segment():
