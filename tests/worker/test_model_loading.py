@@ -99,17 +99,17 @@ def test_dummy_weights_need_only_config_json(hf_models, tmp_path):
 
 
 def test_cpu_layers_hold_the_torch_reference_choices(hf_models):
-    """On the CPU build_model resolves any KernelConfig to every kernel off (the torch references, no Triton):
-    one KernelChoices, held by every layer that launches a kernel on a GPU."""
+    """On the CPU build_model resolves any KernelConfig to every kernel off (the torch references, no Triton) and
+    the reference LoRA backend: one KernelChoices, held by every layer that launches a kernel on a GPU."""
     from worker.models.builder import build_model
     model = build_model(hf_models["llama"], torch.float32, torch.device("cpu"), "auto", 64,
                         KernelConfig(gemv_row_limit=4, skinny_row_limit=64))
     holders = [m for m in model.modules() if hasattr(m, "kernels")]
-    assert {type(m).__name__ for m in holders} == {"Linear", "LMHead", "RMSNorm", "Attention", "LlamaMLP"}
+    assert {type(m).__name__ for m in holders} == {"Linear", "LMHead", "RMSNorm", "Attention", "SiluAndMul"}
     choices = holders[0].kernels
     assert all(m.kernels is choices for m in holders)
     assert (choices.gemv_row_limit, choices.skinny_row_limit, choices.programmatic_launch,
-            choices.skinny_counters) == (0, 0, False, None)
+            choices.skinny_counters, choices.lora.name) == (0, 0, False, None, "reference")
 
 
 def test_kernel_config_refuses_negative_row_limits():
