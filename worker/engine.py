@@ -36,6 +36,7 @@ from worker.lora.slot_layout import PackedReader
 from worker.lora.slot_table import SlotTable
 from worker.lora.host_cache_plan import plan_host_cache
 from worker.model_runner.runner import ModelRunner, StepHandle
+from worker.models.builder import lora_targets
 from worker.arch import ArchConfig
 from worker.request import Request
 from worker.scheduler.scheduler import Scheduler
@@ -87,7 +88,7 @@ class Engine:
         lora = config.lora
         host_cache = HostCache(plan_host_cache(lora, self.runner.lora_pool.layout.num_bytes,
                                                config.tensor_parallel_size))
-        reader = PackedReader(self.arch, self.runner.lora_pool.layout, pin=self.device.type == "cuda",
+        reader = PackedReader(self.runner.lora_pool.layout, pin=self.device.type == "cuda",
                               read_threads=lora.lora_read_threads if lora.enable_lora_overlap_loading else 1,
                               shard=self.runner.model)
         loader = AdapterReader(reader, host_cache, lora.lora_load_workers,
@@ -99,7 +100,7 @@ class Engine:
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, lora, allocator, slots, prefetcher,
                                    enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.adapters = AdapterRegistry(lora, self.arch, slots, host_cache, loader)
+        self.adapters = AdapterRegistry(lora, lora_targets(self.arch), slots, host_cache, loader)
         self.loads = AdapterLoads(loader, host_cache, self.runner.lora_pool, slots, self.adapters,
                                   on_load=self.followers.load if self.followers else None)
         self.structured = StructuredOutputs(config.model.tokenizer or config.model.path, self.vocab_size,

@@ -11,6 +11,7 @@ from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.layers.kernel_choices import KernelChoices
 from worker.models.dummy import init_dummy_weights
 from worker.arch import ArchConfig
+from worker.lora.targets import LoRATargets
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from worker.models.weight_loader import load_weights
@@ -26,15 +27,25 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
+def model_class(architecture: str) -> type[nn.Module]:
+    cls = MODEL_CLASSES.get(architecture)
+    if cls is None:
+        raise ValueError(f"Model architecture {architecture!r} is not supported; "
+                         f"supported architectures: {sorted(MODEL_CLASSES)}")
+    return cls
+
+
+def lora_targets(cfg: ArchConfig) -> LoRATargets:
+    """The LoRA targets of the model `cfg` describes (lora/targets.py), without building it."""
+    return model_class(cfg.architecture).lora_targets(cfg)
+
+
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
                 max_positions: int, kernels: KernelConfig, seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
     """The model of the checkpoint directory `path` on `device`, its layers built with `kernels` resolved for
     the device (layers/kernel_choices.py; before any CUDA-graph capture), this rank's share of it under `tp`."""
     cfg = ArchConfig.from_dir(path)
-    cls = MODEL_CLASSES.get(cfg.architecture)
-    if cls is None:
-        raise ValueError(f"Model architecture {cfg.architecture!r} is not supported; "
-                         f"supported architectures: {sorted(MODEL_CLASSES)}")
+    cls = model_class(cfg.architecture)
     choices = KernelChoices.resolve(kernels, device)
     with torch.device(device):
         model = cls(cfg, dtype, max_positions, choices, tp)

@@ -129,7 +129,7 @@ def main(fd: int) -> None:
     arch = ArchConfig.from_dir(config.model.path)
     runner = ModelRunner(config, arch, device, start.dtype, start.max_model_len, tp=tp)
     lora = config.lora
-    reader = PackedReader(arch, runner.lora_pool.layout, pin=device.type == "cuda", shard=runner.model)
+    reader = PackedReader(runner.lora_pool.layout, pin=device.type == "cuda", shard=runner.model)
     capacity = plan_host_cache(lora, runner.lora_pool.layout.num_bytes, start.world_size)   # as rank 0 sizes its
     adapters = FollowerAdapters(reader, runner.lora_pool, capacity, lora.lora_load_workers)     # host cache
     logger.info("rank %d of %d ready on %s", start.rank, start.world_size, device)
