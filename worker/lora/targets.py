@@ -112,11 +112,6 @@ class LoRATargets:
         return dense + (EXPERT_MODULES if self.experts is not None else ())
 
     @cached_property
-    def paths(self) -> frozenset[str]:
-        """Every dense module's path under a layer, in any layer: "self_attn.q_proj", ..."""
-        return frozenset(t.path(m) for t in self.projections for m in t.modules)
-
-    @cached_property
     def blocks(self) -> tuple[str, ...]:
         """The layer submodules that hold targets: ("self_attn", "mlp")."""
         experts = (self.experts.block,) if self.experts is not None else ()

@@ -1,5 +1,6 @@
-"""Adapters on MoE base models (lora/formats/ through lora/adapter.py, against the models' LoRA targets): what an adapter's spec says it
-covers (target_modules, the rank over every module, experts included), and what is refused, by name."""
+"""Adapters on MoE base models (lora/formats/ through lora/adapter.py, against the models' LoRA targets): what an
+adapter's spec says it covers (target_modules, the rank over every module, experts included), and what is refused,
+by name."""
 from __future__ import annotations
 
 import json
