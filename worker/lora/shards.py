@@ -10,11 +10,11 @@ Fully sharded LoRA (`shard_loras_fully`, --fully-sharded-loras; S-LoRA's scheme)
 column-parallel projection's lora_A rows (its rank) and a row-parallel one's lora_B rows (its output), at one more
 collective per projection (layers/linear.py says which). Expert LoRA keeps the scheme below.
 
-Expert LoRA (lora/formats/expert_lora.py ExpertLayerLoRA, every format, shared-outer included) follows the experts' sharding
-along the intermediate size I (layers/sparse_moe.py `FusedExperts.intermediate_shard`): gate and up keep A whole and the
-rows of B in this rank's share of I; down keeps the columns of A in that share and B whole. The matrices stay
-where they are in the file; each is marked with its part (`ExpertMatrix.part`), which `materialise` cuts when
-the slot is packed.
+Expert LoRA (lora/formats/expert_lora.py ExpertLayerLoRA, every format, shared-outer included) follows the experts'
+sharding along the intermediate size I (layers/sparse_moe.py `FusedExperts.intermediate_shard`): gate and up keep A
+whole and the rows of B in this rank's share of I; down keeps the columns of A in that share and B whole. The
+matrices stay where they are in the file; each is marked with its part (`ExpertMatrix.part`), which `materialise`
+cuts when the slot is packed.
 """
 from __future__ import annotations
 
