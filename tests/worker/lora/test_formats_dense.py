@@ -52,7 +52,9 @@ def test_an_adapter_is_read_on_the_modules_and_shapes_of_the_table(tmp_path):
      "adapter targets module 'q_proj', which the base model lacks or LoRA does not support; "
      "supported: ['c_attn', 'fc_in', 'fc_out']"),
     (_pair("1.mlp.fc_in", 2, 16, 32), {},       # layer 1 has no MLP target
-     "adapter targets module 'fc_in', which the base model lacks"),
+     "adapter targets module 'mlp.fc_in', which the base model lacks"),
+    (_pair("0.mlp.c_attn", 2, 16, 48), {},      # c_attn is the attention's, never the MLP's
+     "adapter targets module 'mlp.c_attn', which the base model lacks"),
     (_pair("0.mlp.fc_out", 2, 16, 32), {},      # fc_out is the second slice, 8 wide
      "adapter 'a' layer 0 fc_out: lora_A [2, 16] and lora_B [32, 2] do not fit the base model "
      "(expected [r, 16] and [8, r])"),
@@ -60,7 +62,7 @@ def test_an_adapter_is_read_on_the_modules_and_shapes_of_the_table(tmp_path):
     (_pair("0.attn.c_attn", 2, 16, 48), {"target_modules": ["c_attn", "q_proj"]},
      "target_modules contains 'q_proj', which is not supported; supported target modules: "
      "['c_attn', 'fc_in', 'fc_out']"),
-], ids=["unknown-block", "unknown-module", "not-in-that-layer", "slice-shape", "layer-past-model", "config"])
+], ids=["unknown-block", "unknown-module", "not-in-that-layer", "wrong-block", "slice-shape", "layer-past-model", "config"])
 def test_refusals_name_the_tables_modules_and_shapes(tmp_path, tensors, config, message):
     _write(tmp_path / "a", tensors, **config)
     with pytest.raises(AdapterError) as raised:

@@ -40,7 +40,8 @@ def dense_tensors(keys: Iterable[str], targets: LoRATargets) -> dict[tuple[int, 
 def _refuse(key: str, layer: int, path: str, module: str, targets: LoRATargets) -> None:
     """Refuse a tensor of module `path` (under layer `layer`), which that layer of the model does not adapt."""
     if targets.experts is None:
-        raise AdapterError(f"adapter targets module {module!r}, which the base model lacks or LoRA does not "
+        named = path if module in targets.modules else module      # one the model has elsewhere: by its path
+        raise AdapterError(f"adapter targets module {named!r}, which the base model lacks or LoRA does not "
                            f"support; supported: {list(targets.short_names)}")
     why = targets.unsupported.get(path) or _what_the_layer_adapts(targets, layer)
     raise AdapterError(f"adapter tensor {key!r} targets {module!r}, which the base model ({targets.architecture}) "
