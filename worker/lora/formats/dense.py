@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
+from typing import NoReturn
 
 from worker.lora.errors import AdapterError
 from worker.lora.targets import LoRATargets
@@ -37,7 +38,7 @@ def dense_tensors(keys: Iterable[str], targets: LoRATargets) -> dict[tuple[int, 
     return pairs
 
 
-def _refuse(key: str, layer: int, path: str, module: str, targets: LoRATargets) -> None:
+def _refuse(key: str, layer: int, path: str, module: str, targets: LoRATargets) -> NoReturn:
     """Refuse a tensor of module `path` (under layer `layer`), which that layer of the model does not adapt."""
     if targets.experts is None:
         named = path if module in targets.modules else module      # one the model has elsewhere: by its path
