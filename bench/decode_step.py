@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from bench.make_adapters import make_adapter
+from bench.make_adapters import ALL_TARGETS, make_adapter
 from worker.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.lora.adapter import module_shapes
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 logger = logging.getLogger(__name__)
 # run name -> (batch size, adapter of each sequence, cycled); adapters a0..a31 are rank 16
@@ -184,9 +184,12 @@ def weight_bytes(engine: Engine) -> int:
 
 
 def adapter_bytes(arch: ArchConfig, rank: int) -> int:
-    """Bytes of a bf16 adapter of `rank` on all seven projections of every layer."""
-    per_layer = sum(rank * (fan_in + fan_out) for fan_in, fan_out in module_shapes(arch).values())
-    return per_layer * arch.num_layers * 2
+    """Bytes of a bf16 adapter of `rank` as make_adapter writes it by default: every module of ALL_TARGETS that
+    a layer has (on a dense model, all seven projections of every layer)."""
+    table = lora_targets(arch)
+    return 2 * sum(rank * (target.in_features + fan_out) for layer in range(arch.num_layers)
+                   for target in table.at(layer) for module, fan_out in zip(target.modules, target.out_features)
+                   if module in ALL_TARGETS)
 
 
 def _against_graphs(mode: str, names: dict[str, str]) -> dict:

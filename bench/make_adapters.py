@@ -5,7 +5,8 @@
 
 On a mixture-of-experts model the MLP targets are the dense layers' and "experts" adapts every expert of the
 sparse layers as PEFT's target_parameters does (mlp.experts.gate_up_proj and down_proj, one rank-r pair per
-expert; the tensor layout is lora/formats.py's format (a)).
+expert; the tensor layout is lora/formats/experts.py's format (a)). Shapes and module paths are the model's LoRA
+targets (lora/targets.py); a layer that lacks a named module gets none of it.
 """
 from __future__ import annotations
 
@@ -17,28 +18,29 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from worker.lora.adapter import SUPPORTED_TARGETS as ALL_TARGETS
-from worker.lora.adapter import module_shapes
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 logger = logging.getLogger(__name__)
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def make_adapter(path: Path, arch: ArchConfig, rank: int, targets=ALL_TARGETS, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Path:
     """One adapter with lora_A ~ N(0, 1/in) and lora_B ~ N(0, 1/rank), so its delta is O(1)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    shapes = module_shapes(arch)
+    table = lora_targets(arch)
     tensors = {}
     for layer in range(arch.num_layers):
         if "experts" in targets and arch.is_moe and arch.is_sparse_layer(layer):
             tensors.update(_expert_tensors(arch, layer, rank, gen, dtype, device))
-        for target in targets:
-            if target == "experts" or (arch.is_moe and arch.is_sparse_layer(layer) and target not in ALL_TARGETS[:4]):
+        packed = {m: (t, s) for t in table.at(layer) for s, m in enumerate(t.modules)}   # module -> (target, slice)
+        for module in targets:
+            if module not in packed:
                 continue
-            fan_in, fan_out = shapes[target]
-            block = "self_attn" if target in ALL_TARGETS[:4] else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            target, s = packed[module]
+            fan_in, fan_out = target.in_features, target.out_features[s]
+            prefix = f"base_model.model.model.layers.{layer}.{target.path(module)}"
             a = torch.randn(rank, fan_in, generator=gen, device=device) / fan_in ** 0.5
             b = torch.randn(fan_out, rank, generator=gen, device=device) / rank ** 0.5
             tensors[f"{prefix}.lora_A.weight"] = a.to(dtype).cpu()

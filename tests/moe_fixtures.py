@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from worker.kernels.reference import MoELoRASlots
-from worker.lora.formats import ExpertLayerLoRA, ExpertShape, materialise
+from worker.lora.formats.expert_lora import ExpertLayerLoRA, materialise
+from worker.lora.targets import ExpertShape
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -20,7 +20,7 @@ def imported_after(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["worker.scheduler.scheduler", "worker.lora.prefetcher",
-                                    "worker.lora.slot_table", "worker.lora.host_cache",
+                                    "worker.lora.slot_table", "worker.lora.host_cache", "worker.lora.targets",
                                     "worker.kv_cache.block_allocator", "worker.kv_cache.prefix_cache",
                                     "worker.batch"])
 def test_bookkeeping_imports_no_model_code_and_no_torch(module):

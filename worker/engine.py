@@ -79,7 +79,7 @@ class Engine:
         if self.followers is not None:
             self.followers.before_leave = self.runner.release_graphs
         self.num_kv_blocks = self.runner.num_kv_blocks
-        self.adapters = AdapterManager(config.lora, self.arch, self.runner.lora_pool, self.runner.model,
+        self.adapters = AdapterManager(config.lora, self.runner.lora_pool, self.runner.model,
                                        followers=self.followers)
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, allocator, self.adapters.slots, self.adapters.prefetcher,

@@ -12,8 +12,8 @@ from tests.moe_fixtures import HandExpertAdapter, PeftExpertAdapter, save_hand_e
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.lora.moe_adapter import expert_shape
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 pytestmark = pytest.mark.gpu
 NUM_STEPS = 32
@@ -36,7 +36,7 @@ def moe_model(request, hf_moe_models, tmp_path_factory):
     paths = {spec.name: root / spec.name for spec in specs}
     for i, spec in enumerate(specs):
         save_peft_expert_adapter(model_dir, spec, paths[spec.name], seed=200 + i)
-    shape = expert_shape(ArchConfig.from_dir(model_dir))
+    shape = lora_targets(ArchConfig.from_dir(model_dir)).experts
     paths[SHARED_OUTER] = root / SHARED_OUTER
     save_hand_expert_adapter(HandExpertAdapter(SHARED_OUTER, "stacked", (6, 6, 4), shared_outer=True),
                              [layer for layer in range(shape.num_layers) if layer not in shape.dense_layers], shape,

@@ -22,7 +22,7 @@ from tests.moe_fixtures import (
     reference_slots,
 )
 from worker.kernels.reference import MoELoRASlots, moe_experts, moe_lora_experts
-from worker.lora.formats import read_expert_formats
+from worker.lora.formats.experts import read_expert_formats
 from worker.lora.safetensors_file import tensor_file
 
 NAMES = [spec.name for spec in EXPERT_ADAPTERS]

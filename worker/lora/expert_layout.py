@@ -8,7 +8,7 @@ and `expert_views` gives them over all slots as strided views: gate_up_a of laye
 slots[:, off : off + E*2R*H*item] viewed as [S, E, 2R, H], so its strides are (num_bytes / item, 2R*H, H, 1);
 scalings are [S, 3] with stride (num_bytes / 4, 1), shared_outer [S] with stride (num_bytes / 4,).
 
-Packing (`pack_expert_layer`) normalises the three formats of lora/formats.py: PEFT target_parameters give
+Packing (`pack_expert_layer`) normalises the three formats of lora/formats/experts.py: PEFT target_parameters give
 gate and up the same A (written in both the gate rows [0, R) and the up rows [R, 2R)) and B de-interleaved per
 expert (formats.materialise); per-expert modules leave the experts they skip zero; stacked tensors go in as
 they are. A shared-outer layer (ExpertLayerLoRA.shared_outer) keeps its gate/up A's and down B in expert 0 and
@@ -33,8 +33,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from worker.lora.formats.expert_lora import ExpertLayerLoRA, ExpertMatrix, materialise
+from worker.lora.targets import LoRATargets
 from worker.lora.weights import MoELoRAWeights
-from worker.lora.formats import ExpertLayerLoRA, ExpertMatrix, materialise
 
 ALIGN = 256         # bytes; as the dense regions
 _UINT = {2: np.uint16, 4: np.uint32}     # a weight's bits by item size: numpy has no bfloat16
@@ -53,11 +54,12 @@ class ExpertRegion:
     num_bytes: int              # aligned size
 
 
-def expert_regions(model: nn.Module, max_rank: int, dtype: torch.dtype,
+def expert_regions(model: nn.Module, targets: LoRATargets, max_rank: int, dtype: torch.dtype,
                    offset: int) -> tuple[dict[int, ExpertRegion], int]:
-    """The regions of the model's sparse layers from byte `offset` on, and the offset past the last one."""
+    """The regions of the sparse layers `targets` lists from byte `offset` on, and the offset past the last one;
+    the experts' shapes are the built model's (this rank's share of them)."""
     regions = {}
-    for layer in model.lora_expert_layers():
+    for layer in targets.experts.sparse_layers if targets.experts is not None else ():
         e, two_i, h = model.moe_block(layer).experts.gate_up_proj.shape      # [E, 2I, H]
         i, r = two_i // 2, max_rank
         shapes = {"gate_up_a": ((e, 2 * r, h), dtype), "gate_up_b": ((e, 2 * i, r), dtype),

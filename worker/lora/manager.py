@@ -19,7 +19,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from worker.arch import ArchConfig
 from worker.config import LoRAConfig
 from worker.lora.adapter import AdapterSpec
 from worker.lora.gpu_pool import GPULoRAPool
@@ -66,7 +65,7 @@ class AdapterManager:
     Rank 0 uses them all; a follower rank only `follow_read` and `follow_load` (its host cache, reader and pool).
     `followers`: on rank 0 under tensor parallelism, the ranks told of each read and copy."""
 
-    def __init__(self, config: LoRAConfig, arch: ArchConfig, pool: GPULoRAPool, model: nn.Module,
+    def __init__(self, config: LoRAConfig, pool: GPULoRAPool, model: nn.Module,
                  followers: AdapterFollowers | None = None):
         if pool.num_slots != config.max_loras:
             raise ValueError(f"the GPU pool has {pool.num_slots} slots but max_loras is {config.max_loras}")
@@ -74,7 +73,7 @@ class AdapterManager:
         self.config = config
         self.pool = pool                  # device bytes of the slots (owned with the model by the runner)
         self.host_cache = HostCache(plan_host_cache(config, pool.layout.num_bytes, model.tp.world_size))
-        self.packer = PackedReader(arch, pool.layout, pin=pool.slots.device.type == "cuda",
+        self.packer = PackedReader(pool.layout, pin=pool.slots.device.type == "cuda",
                                    read_threads=config.lora_read_threads if overlap else 1, shard=model)
         self.reader = AdapterReader(self.packer, self.host_cache, config.lora_load_workers,
                                     on_read=followers.read if followers is not None else None)
@@ -83,7 +82,7 @@ class AdapterManager:
         self.prefetcher = (Prefetcher(self.slots, self.host_cache, self.reader, window=max(2 * config.max_loras, 8),
                                       max_reads=2 * config.lora_load_workers)
                            if overlap else None)                 # None: blocking loads
-        self.registry = AdapterRegistry(config, arch, self.slots, self.host_cache, self.reader)
+        self.registry = AdapterRegistry(config, pool.layout.targets, self.slots, self.host_cache, self.reader)
         self.loads = AdapterLoads(self.reader, self.host_cache, pool, self.slots, self.registry,
                                   on_load=followers.load if followers is not None else None)
         # a follower's reads of its share: in flight, or done outside the host cache (no entry could be had)

@@ -1,5 +1,5 @@
 """adapter_config.json: reading it, and PEFT's scaling rule for one module (shared by lora/adapter.py and
-lora/formats.py)."""
+lora/formats/experts.py)."""
 from __future__ import annotations
 
 import json

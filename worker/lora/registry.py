@@ -17,7 +17,7 @@ from worker.lora.adapter import AdapterError, AdapterSpec, inspect_adapter
 from worker.lora.host_cache import HostCache
 from worker.lora.reader import AdapterReader
 from worker.lora.slot_table import SlotTable
-from worker.arch import ArchConfig
+from worker.lora.targets import LoRATargets
 from worker.request import AdapterRef
 
 logger = logging.getLogger(__name__)
@@ -59,9 +59,9 @@ class TierCounters:
 
 
 class AdapterRegistry:
-    def __init__(self, config: LoRAConfig, arch: ArchConfig, slots: SlotTable, host_cache: HostCache,
+    def __init__(self, config: LoRAConfig, targets: LoRATargets, slots: SlotTable, host_cache: HostCache,
                  reader: AdapterReader):
-        self.config, self.arch = config, arch
+        self.config, self.targets = config, targets      # the base model's LoRA targets: what adapters must fit
         self.slots, self.host_cache, self.reader = slots, host_cache, reader
         self.refs: dict[str, AdapterRef] = {}                 # registered name -> current version
         self.versions: dict[AdapterRef, AdapterVersion] = {}  # live versions (current, or still in use)
@@ -76,7 +76,7 @@ class AdapterRegistry:
         if name in self.refs and not load_inplace:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                "adapter in place, set 'load_inplace' to True.")
-        spec = inspect_adapter(name, path, self.arch, self.config.max_lora_rank)
+        spec = inspect_adapter(name, path, self.targets, self.config.max_lora_rank)
         if pinned:
             self._check_pin_room(name)
         old = self.refs.get(name)

@@ -10,11 +10,11 @@ Fully sharded LoRA (`shard_loras_fully`, --fully-sharded-loras; S-LoRA's scheme)
 column-parallel projection's lora_A rows (its rank) and a row-parallel one's lora_B rows (its output), at one more
 collective per projection (layers/linear.py says which). Expert LoRA keeps the scheme below.
 
-Expert LoRA (lora/formats.py ExpertLayerLoRA, every format, shared-outer included) follows the experts' sharding
-along the intermediate size I (layers/sparse_moe.py `FusedExperts.intermediate_shard`): gate and up keep A whole and the
-rows of B in this rank's share of I; down keeps the columns of A in that share and B whole. The matrices stay
-where they are in the file; each is marked with its part (`ExpertMatrix.part`), which `materialise` cuts when
-the slot is packed.
+Expert LoRA (lora/formats/expert_lora.py ExpertLayerLoRA, every format, shared-outer included) follows the experts'
+sharding along the intermediate size I (layers/sparse_moe.py `FusedExperts.intermediate_shard`): gate and up keep A
+whole and the rows of B in this rank's share of I; down keeps the columns of A in that share and B whole. The
+matrices stay where they are in the file; each is marked with its part (`ExpertMatrix.part`), which `materialise`
+cuts when the slot is packed.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from worker.lora.adapter import AdapterBytes
-from worker.lora.formats import ExpertLayerLoRA, ExpertProjection
+from worker.lora.formats.expert_lora import ExpertLayerLoRA, ExpertProjection
 
 
 def shard_loras_fully(model: nn.Module, max_rank: int) -> None:
     """Every projection of `model` that takes LoRA holds it fully sharded over the model's ranks (before the
     LoRA slots are laid out); max_rank must divide by the ranks, as vLLM requires."""
-    for layer, name in model.lora_projections():
+    for layer, name in model.lora_targets(model.cfg).layer_projections():
         model.projection(layer, name).shard_lora_fully(model.tp, max_rank)
 
 
@@ -39,13 +39,13 @@ def shard_adapter(model: nn.Module, adapter: AdapterBytes) -> AdapterBytes:
     world size 1."""
     if model.tp.world_size == 1:
         return adapter
-    modules = {}
-    for (layer, target), m in adapter.modules.items():
-        name, shard = model.lora_targets[target]
+    targets, modules = model.lora_targets(model.cfg), {}
+    for (layer, module), m in adapter.modules.items():
+        target, shard = targets.packing(layer, module)
         a = m.a.view(adapter.dtype).view(m.rank, m.in_features)          # lora_A [rank, in_features]
         b = m.b.view(adapter.dtype).view(m.out_features, m.rank)         # lora_B [out_features, rank]
-        a, b = model.projection(layer, name).shard_lora(shard, a, b)
-        modules[(layer, target)] = dataclasses.replace(m, a=_bytes(a), b=_bytes(b), in_features=a.shape[1],
+        a, b = model.projection(layer, target.projection).shard_lora(shard, a, b)
+        modules[(layer, module)] = dataclasses.replace(m, a=_bytes(a), b=_bytes(b), in_features=a.shape[1],
                                                        out_features=b.shape[0])
     experts = {layer: shard_expert_layer(found, *model.moe_block(layer).experts.intermediate_shard)
                for layer, found in adapter.experts.items()}

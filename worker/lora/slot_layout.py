@@ -29,7 +29,6 @@ from worker.lora.adapter import (AdapterBytes, AdapterError, AdapterSource, Adap
 from worker.lora.expert_layout import expert_layer_reads, expert_regions, expert_views, pack_expert_layer
 from worker.lora.file_reads import read_in_parts
 from worker.lora.host_cache import HostAdapter
-from worker.arch import ArchConfig
 
 _ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
 
@@ -50,15 +49,18 @@ class _Region:
 
 
 class SlotLayout:
-    """The byte layout of one adapter slot; `pack` writes an adapter in it, `views` reads it back."""
+    """The byte layout of one adapter slot; `pack` writes an adapter in it, `views` reads it back.
+
+    The model's LoRA targets (lora/targets.py) say which projections of which layer have a region, in what order,
+    and which slice of it each module fills; the built model's projections give their (this rank's) shapes."""
 
     def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype):
         self.max_rank, self.dtype = max_rank, dtype
-        self.targets = model.lora_targets          # LoRA target module -> (fused projection, slice)
+        self.targets = model.lora_targets(model.cfg)       # LoRATargets, computed from the architecture
         item = dtype.itemsize
         self.regions: dict[tuple[int, str], _Region] = {}
         offset = 0
-        for layer, name in model.lora_projections():      # the model says which projections take LoRA
+        for layer, name in self.targets.layer_projections():
             proj = model.projection(layer, name)
             n = len(proj.output_sizes)
             a_rank, b_offsets = proj.lora_slot_shape(max_rank)     # fully sharded LoRA holds less of A or B
@@ -67,7 +69,7 @@ class SlotLayout:
             s_offset = b_offset + _aligned(b_shape[0] * b_shape[1] * item)
             self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape, b_offsets)
             offset = s_offset + _aligned(4 * n)
-        self.expert_regions, self.num_bytes = expert_regions(model, max_rank, dtype, offset)
+        self.expert_regions, self.num_bytes = expert_regions(model, self.targets, max_rank, dtype, offset)
 
     def views(self, slots: torch.Tensor) -> dict[tuple[int, str], LoRAWeights]:
         """Per-projection weights over `slots` ([num_slots, num_bytes] uint8), sharing its storage."""
@@ -159,9 +161,12 @@ class SlotLayout:
     def _parts(self, modules: dict) -> list[tuple[str, object]]:
         """The slot's bytes in order: ("a", module) its lora_A rows, ("b", module) its lora_B rows padded to R
         columns, ("zeros", count), ("scalings", floats), then ("experts", (layer, ExpertRegion)) per sparse MoE
-        layer; modules: (layer, target) -> ModuleBytes or ModuleSource."""
+        layer; modules: (layer, module) -> ModuleBytes or ModuleSource."""
         item, R = self.dtype.itemsize, self.max_rank
-        by_slice = {(layer, *self.targets[target]): m for (layer, target), m in modules.items()}
+        by_slice = {}                       # (layer, projection, slice) -> the module's weights
+        for (layer, module), m in modules.items():
+            target, s = self.targets.packing(layer, module)
+            by_slice[(layer, target.projection, s)] = m
         parts: list[tuple[str, object]] = []
         for (layer, name), region in self.regions.items():
             slices = [by_slice.get((layer, name, s)) for s in range(len(region.slice_offsets) - 1)]
@@ -223,9 +228,8 @@ class PackedReader:
     `shard`: a model sharded over tensor-parallel ranks; each adapter is then read whole and cut to this rank's
     share (lora/shards.py) before it is packed."""
 
-    def __init__(self, arch: ArchConfig, layout: SlotLayout, pin: bool, read_threads: int = 1,
-                 shard: nn.Module | None = None):
-        self.arch, self.layout, self.pin = arch, layout, pin
+    def __init__(self, layout: SlotLayout, pin: bool, read_threads: int = 1, shard: nn.Module | None = None):
+        self.layout, self.targets, self.pin = layout, layout.targets, pin
         self.shard = shard if shard is not None and shard.tp.world_size > 1 else None
         self.read_threads = read_threads
         self.pool = (concurrent.futures.ThreadPoolExecutor(read_threads, thread_name_prefix="lora-io")
@@ -234,14 +238,14 @@ class PackedReader:
     def __call__(self, spec: AdapterSpec) -> HostAdapter:
         if self.shard is not None:
             from worker.lora.shards import shard_adapter
-            adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
+            adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
             return HostAdapter(self.layout.pack(shard_adapter(self.shard, adapter), self.pin), adapter.spec.rank)
-        source = locate_adapter(spec.name, spec.path, self.arch, self.layout.max_rank)
+        source = locate_adapter(spec.name, spec.path, self.targets, self.layout.max_rank)
         try:
             packed = self.layout.read_packed(source, self.pin, pool=self.pool, parts=self.read_threads)
         except OSError as e:
             raise AdapterError(f"adapter_model.safetensors in {spec.path} is unreadable: {e!r}") from e
         if packed is None:
-            adapter = read_adapter(spec.name, spec.path, self.arch, self.layout.max_rank, self.layout.dtype)
+            adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
             packed = self.layout.pack(adapter, self.pin)
         return HostAdapter(packed, source.spec.rank)

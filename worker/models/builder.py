@@ -13,6 +13,7 @@ from worker.kernels.choices import KernelChoices
 from worker.layers.lora.backend import choose_backend
 from worker.models.dummy import init_dummy_weights
 from worker.arch import ArchConfig
+from worker.lora.targets import LoRATargets
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from worker.models.weight_loader import load_weights
@@ -35,16 +36,26 @@ def resolve_kernels(config: KernelConfig, device: torch.device) -> KernelChoices
                                lora=choose_backend(config.lora_backend, device))
 
 
+def model_class(architecture: str) -> type[nn.Module]:
+    cls = MODEL_CLASSES.get(architecture)
+    if cls is None:
+        raise ValueError(f"Model architecture {architecture!r} is not supported; "
+                         f"supported architectures: {sorted(MODEL_CLASSES)}")
+    return cls
+
+
+def lora_targets(cfg: ArchConfig) -> LoRATargets:
+    """The LoRA targets of the model `cfg` describes (lora/targets.py), without building it."""
+    return model_class(cfg.architecture).lora_targets(cfg)
+
+
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
                 max_positions: int, kernels: KernelConfig, seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
     """The model of the checkpoint directory `path` on `device`, its layers built with `kernels` resolved for
     the device (kernels/choices.py, with the LoRA backend of layers/lora/backend.py; before any CUDA-graph
     capture), this rank's share of it under `tp`."""
     cfg = ArchConfig.from_dir(path)
-    cls = MODEL_CLASSES.get(cfg.architecture)
-    if cls is None:
-        raise ValueError(f"Model architecture {cfg.architecture!r} is not supported; "
-                         f"supported architectures: {sorted(MODEL_CLASSES)}")
+    cls = model_class(cfg.architecture)
     choices = resolve_kernels(kernels, device)
     with torch.device(device):
         model = cls(cfg, dtype, max_positions, choices, tp)

@@ -20,6 +20,7 @@ from worker.layers.linear import Linear
 from worker.layers.lora.deferred import Deferred
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
+from worker.lora.targets import LoRATarget, LoRATargets
 from worker.arch import ArchConfig
 
 
@@ -44,6 +45,14 @@ class LlamaAttention(nn.Module):
         qk_norm = (self.q_norm, self.k_norm) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, rotary, kernels, qk_norm)
 
+    @staticmethod
+    def lora_targets(cfg: ArchConfig) -> tuple[LoRATarget, ...]:
+        """qkv_proj packs the checkpoint's q_proj, k_proj, v_proj; o_proj is itself (whole-model shapes)."""
+        h = cfg.hidden_size
+        return (LoRATarget("qkv_proj", "self_attn", ("q_proj", "k_proj", "v_proj"), h,
+                           (cfg.q_size, cfg.kv_size, cfg.kv_size)),
+                LoRATarget("o_proj", "self_attn", ("o_proj",), cfg.q_size, (h,)))
+
     def forward(self, x: torch.Tensor, kv_cache, batch: ForwardBatch) -> torch.Tensor | Deferred:
         """x: [num_tokens, hidden] -> the o_proj output [num_tokens, hidden] (projections may hand their LoRA delta
         to the next kernel: layers/lora/deferred.py)."""
@@ -64,6 +73,14 @@ class LlamaMLP(nn.Module):
                                                    kernels)
         self.down_proj = Linear.row_parallel(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels, tp, reduce_results)
         self.act = SiluAndMul(kernels)
+
+    @staticmethod
+    def lora_targets(cfg: ArchConfig, intermediate_size: int, prefix: str = "") -> tuple[LoRATarget, ...]:
+        """gate_up_proj packs the checkpoint's gate_proj and up_proj; down_proj is itself. `prefix`: the MLP's
+        name under the layer's `mlp` ("shared_expert." for Qwen2-MoE's shared expert)."""
+        h, i = cfg.hidden_size, intermediate_size
+        return (LoRATarget(f"{prefix}gate_up_proj", "mlp", (f"{prefix}gate_proj", f"{prefix}up_proj"), h, (i, i)),
+                LoRATarget(f"{prefix}down_proj", "mlp", (f"{prefix}down_proj",), i, (h,)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | Deferred:
         """x: [num_tokens, hidden] -> the down_proj output [num_tokens, hidden]."""
@@ -101,10 +118,6 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint name -> (our parameter, output slice); everything else maps one to one
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    # LoRA target module -> (our projection, slice)
-    lora_targets = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                    "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                    "down_proj": ("down_proj", 0)}
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int, kernels: KernelChoices,
                  tp: TensorParallel = SINGLE):
@@ -129,17 +142,17 @@ class LlamaForCausalLM(nn.Module):
         """The MLP of decoder layer `layer` (MoE models override it)."""
         return LlamaMLP(self.cfg, dtype, kernels, tp=self.tp)
 
-    def lora_projections(self) -> list[tuple[int, str]]:
-        """The (layer, fused projection) pairs that take LoRA, in slot-layout order (lora/slot_layout.py)."""
-        return [(layer, name) for layer in range(self.cfg.num_layers)
-                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-
-    def lora_expert_layers(self) -> list[int]:
-        """The layers whose sparse MoE block takes expert LoRA (MoE models override it)."""
-        return []
+    @classmethod
+    def lora_targets(cls, cfg: ArchConfig) -> LoRATargets:
+        """Which projections take LoRA and how the checkpoint's modules pack into them (lora/targets.py), from the
+        architecture alone: qkv_proj, o_proj, gate_up_proj, down_proj in every layer (MoE models override it)."""
+        targets = LlamaAttention.lora_targets(cfg) + LlamaMLP.lora_targets(cfg, cfg.intermediate_size)
+        names = tuple(t.projection for t in targets)
+        return LoRATargets(cfg.architecture, targets, (names,) * cfg.num_layers)
 
     def projection(self, layer: int, name: str) -> Linear:
-        """Our fused projection `name` (qkv_proj, o_proj, gate_up_proj, down_proj) of a layer."""
+        """Our fused projection `name` (a LoRATarget.projection: qkv_proj, o_proj, gate_up_proj, down_proj) of a
+        layer."""
         block = self.layers[layer]
         return getattr(block.self_attn if name in ("qkv_proj", "o_proj") else block.mlp, name)
 

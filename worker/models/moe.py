@@ -17,19 +17,15 @@ from torch import nn
 from worker.kernels.choices import KernelChoices
 from worker.layers.linear import Linear
 from worker.layers.sparse_moe import SparseMoE
-from worker.models.llama import LlamaForCausalLM, LlamaMLP
+from worker.lora.targets import ExpertShape, LoRATargets
+from worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from worker.arch import ArchConfig
 
 
 class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose sparse layers route each token to its top-k experts."""
     # Mixtral multiplies by the float32 routing weights; Qwen casts them to the hidden dtype first
     float32_routing_weights = False
-    # LoRA target module -> (our projection, slice): gate/up/down_proj are the dense layers' MLP, shared_expert.*
-    # Qwen2-MoE's shared expert (lora/moe_adapter.py checks which layer has which)
-    lora_targets = {**LlamaForCausalLM.lora_targets,
-                    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
-                    "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
-                    "shared_expert.down_proj": ("shared_expert.down_proj", 0)}
 
     def build_mlp(self, layer: int, dtype: torch.dtype, kernels: KernelChoices) -> nn.Module:
         c = self.cfg
@@ -41,19 +37,23 @@ class MoEForCausalLM(LlamaForCausalLM):
         return SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                          c.norm_topk_prob, self.float32_routing_weights, dtype, kernels, shared, self.tp)
 
-    def lora_projections(self) -> list[tuple[int, str]]:
-        """In layer order: attention, then a dense layer's MLP or a sparse layer's shared expert (if any)."""
-        projections = []
-        for layer in range(self.cfg.num_layers):
-            projections += [(layer, "qkv_proj"), (layer, "o_proj")]
-            if not self.cfg.is_sparse_layer(layer):
-                projections += [(layer, "gate_up_proj"), (layer, "down_proj")]
-            elif self.cfg.shared_expert_intermediate_size:
-                projections += [(layer, "shared_expert.gate_up_proj"), (layer, "shared_expert.down_proj")]
-        return projections
-
-    def lora_expert_layers(self) -> list[int]:
-        return [layer for layer in range(self.cfg.num_layers) if self.cfg.is_sparse_layer(layer)]
+    @classmethod
+    def lora_targets(cls, cfg: ArchConfig) -> LoRATargets:
+        """Attention in every layer; then a dense layer's MLP, or a sparse layer's shared expert (Qwen2-MoE) and
+        its routed experts. The shared expert's sigmoid gate takes no LoRA."""
+        attention = LlamaAttention.lora_targets(cfg)
+        dense = LlamaMLP.lora_targets(cfg, cfg.intermediate_size)
+        shared_size = cfg.shared_expert_intermediate_size
+        shared = LlamaMLP.lora_targets(cfg, shared_size, "shared_expert.") if shared_size else ()
+        dense_layers = tuple(layer for layer in range(cfg.num_layers) if not cfg.is_sparse_layer(layer))
+        layers = tuple(attention + (dense if layer in dense_layers else shared) for layer in range(cfg.num_layers))
+        used = {t for layer in layers for t in layer}
+        experts = ExpertShape(cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                              dense_layers)
+        unsupported = ({"mlp.shared_expert_gate": "LoRA on the shared expert's gate is not supported"}
+                       if shared_size else {})
+        return LoRATargets(cfg.architecture, tuple(t for t in attention + dense + shared if t in used),
+                           tuple(tuple(t.projection for t in layer) for layer in layers), experts, unsupported)
 
     @property
     def moe_intermediate_size_per_rank(self) -> int:

@@ -88,7 +88,7 @@ def main(fd: int) -> None:
                     config.kernels.all_reduce_kernel)
     arch = ArchConfig.from_dir(config.model.path)
     runner = ModelRunner(config, arch, device, start.dtype, start.max_model_len, tp=tp)
-    adapters = AdapterManager(config.lora, arch, runner.lora_pool, runner.model)   # its host cache sized as rank 0's
+    adapters = AdapterManager(config.lora, runner.lora_pool, runner.model)   # its host cache sized as rank 0's
     logger.info("rank %d of %d ready on %s", start.rank, start.world_size, device)
     try:
         Follower(conn, runner, adapters).serve()

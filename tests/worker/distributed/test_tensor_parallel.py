@@ -65,7 +65,8 @@ def test_fully_sharded_lora_holds_a_smaller_share_of_each_adapter(hf_models):
     full = build_model(Case(str(model_dir), "auto", (), (), fully_sharded=True), tp)
 
     def factors(adapter: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
-        found = read_adapter(*adapters_of(model_dir)[adapter], default.cfg, 16, torch.float32).modules[(0, target)]
+        targets = default.lora_targets(default.cfg)
+        found = read_adapter(*adapters_of(model_dir)[adapter], targets, 16, torch.float32).modules[(0, target)]
         return (found.a.view(torch.float32).view(found.rank, found.in_features),
                 found.b.view(torch.float32).view(found.out_features, found.rank))
 

@@ -22,9 +22,9 @@ from worker.lora.shards import shard_adapter
 from worker.distributed.tensor_parallel import TensorParallel
 from worker.lora.adapter import locate_adapter, read_adapter
 from worker.lora.gpu_pool import GPULoRAPool
-from worker.lora.moe_adapter import expert_shape
 from worker.lora.slot_layout import SlotLayout
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 HAND_ADAPTERS = (HandExpertAdapter("per-expert", "per_expert", (3, 5, 2), experts=(0, 2, 3)),
@@ -51,7 +51,7 @@ def expert_adapters(hf_moe_models, tmp_path_factory) -> dict[str, tuple[tuple[st
     out = {}
     for arch in ARCHS:
         model_dir, root = hf_moe_models[arch], tmp_path_factory.mktemp(f"tp-experts-{arch}")
-        shape = expert_shape(ArchConfig.from_dir(model_dir))
+        shape = lora_targets(ArchConfig.from_dir(model_dir)).experts
         sparse = [layer for layer in range(shape.num_layers) if layer not in shape.dense_layers]
         adapters = []
         for i, spec in enumerate(peft_adapters(arch)):
@@ -185,7 +185,7 @@ def test_a_ranks_expert_slot_holds_its_share_of_the_whole_slot(hf_moe_models, ex
     pools = [GPULoRAPool(m, len(expert_adapters["qwen2_moe"]), MAX_RANK, torch.float32, torch.device("cpu"))
              for m in (whole_model, shard_model)]
     for slot, (name, path) in enumerate(expert_adapters["qwen2_moe"]):
-        adapter = read_adapter(name, path, cfg, MAX_RANK, torch.float32)
+        adapter = read_adapter(name, path, lora_targets(cfg), MAX_RANK, torch.float32)
         for pool, model in zip(pools, (whole_model, shard_model)):
             pool.start_load(slot, pool.layout.pack(shard_adapter(model, adapter), pin=False), adapter.spec.rank, name)
     whole, shard = pools[0].expert_weights[0], pools[1].expert_weights[0]
@@ -204,7 +204,7 @@ def test_an_expert_adapter_read_in_place_into_a_ranks_slot_is_refused(hf_moe_mod
     model_dir = hf_moe_models["qwen3_moe"]
     model = build_model(Case(str(model_dir), "dummy", (), ()), TensorParallel(rank=0, world_size=2))
     name, path = expert_adapters["qwen3_moe"][3]                              # stacked, experts only
-    source = locate_adapter(name, path, ArchConfig.from_dir(model_dir), MAX_RANK)
+    source = locate_adapter(name, path, lora_targets(ArchConfig.from_dir(model_dir)), MAX_RANK)
     with pytest.raises(ValueError, match="read_adapter, shard_adapter and SlotLayout.pack it"):
         SlotLayout(model, MAX_RANK, torch.float32).read_packed(source, pin=False)
 
@@ -233,7 +233,7 @@ def test_each_moe_block_all_reduces_once_with_its_shared_expert_and_expert_lora(
     model = build_model(Case(str(model_dir), "auto", (), ()), tp)
     pool = GPULoRAPool(model, 1, MAX_RANK, torch.float32, torch.device("cpu"))
     name, path = expert_adapters["qwen2_moe"][0]
-    adapter = read_adapter(name, path, cfg, MAX_RANK, torch.float32)
+    adapter = read_adapter(name, path, lora_targets(cfg), MAX_RANK, torch.float32)
     pool.start_load(0, pool.layout.pack(shard_adapter(model, adapter), pin=False), adapter.spec.rank, name)
     shape = (2, 16, model.num_kv_heads, cfg.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]

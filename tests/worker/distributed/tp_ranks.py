@@ -23,7 +23,7 @@ from worker.lora.adapter import read_adapter
 from worker.lora.gpu_pool import GPULoRAPool
 from worker.models.dummy import init_dummy_weights
 from worker.arch import ArchConfig
-from worker.models.builder import MODEL_CLASSES, resolve_kernels
+from worker.models.builder import MODEL_CLASSES, lora_targets, resolve_kernels
 from worker.models.weight_loader import load_weights
 
 BLOCK_SIZE = 16
@@ -89,7 +89,7 @@ def model_logits(case: Case, tp: TensorParallel = SINGLE) -> torch.Tensor:
     if case.adapters:
         pool = GPULoRAPool(model, len(case.adapters), MAX_RANK, torch.float32, device)
         for slot, (name, path) in enumerate(case.adapters):
-            adapter = read_adapter(name, path, cfg, MAX_RANK, torch.float32)
+            adapter = read_adapter(name, path, lora_targets(cfg), MAX_RANK, torch.float32)
             pool.start_load(slot, pool.layout.pack(shard_adapter(model, adapter), pin=False), adapter.spec.rank, name)
         if device.type == "cuda":
             pool.wait_for(range(len(case.adapters)))

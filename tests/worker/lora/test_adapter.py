@@ -15,6 +15,7 @@ from worker.config import LoRAConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError, read_adapter_weights
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,9 @@ def _edit_config(path, **changes):
 
 @pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: s.name)
 def test_scalings_follow_peft_rules(hf_models, spec):
-    arch = ArchConfig.from_dir(hf_models["llama"])
-    adapter = read_adapter_weights(spec.name, adapter_dir(hf_models["llama"], spec.name), arch, 16, torch.float32)
+    targets = lora_targets(ArchConfig.from_dir(hf_models["llama"]))
+    adapter = read_adapter_weights(spec.name, adapter_dir(hf_models["llama"], spec.name), targets, 16,
+                                   torch.float32)
     assert set(adapter.target_modules) == set(spec.targets)
     for (layer, target), m in adapter.modules.items():
         r = (spec.rank_pattern or {}).get(target, spec.r)

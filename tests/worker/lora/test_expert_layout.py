@@ -19,10 +19,9 @@ from tests.moe_fixtures import (EXPERT_ADAPTERS, SHAPE, HandExpertAdapter, PeftE
 from worker.config import KernelConfig
 from worker.lora.adapter import inspect_adapter, locate_adapter, read_adapter
 from worker.lora.expert_layout import ALIGN
-from worker.lora.formats import read_expert_formats
+from worker.lora.formats.experts import read_expert_formats
 from worker.lora.safetensors_file import tensor_file
 from worker.lora.slot_layout import PackedReader, SlotLayout
-from worker.arch import ArchConfig
 from worker.models.builder import build_model
 
 MAX_RANK = 8
@@ -53,9 +52,8 @@ def adapters(tmp_path_factory) -> dict:
 
 
 def _pack(path, model_dir, layout: SlotLayout) -> torch.Tensor:
-    arch = ArchConfig.from_dir(model_dir)
-    spec = inspect_adapter("a", path, arch, MAX_RANK)
-    entry = PackedReader(arch, layout, pin=False)(spec)
+    spec = inspect_adapter("a", path, layout.targets, MAX_RANK)
+    entry = PackedReader(layout, pin=False)(spec)
     assert entry.rank == spec.rank
     return entry.packed
 
@@ -155,16 +153,16 @@ def test_expert_adapters_read_into_place_give_the_bytes_pack_gives(moe_model, re
     """read_packed on a file storing the slots' dtype writes every byte of the buffer (stale bytes before)
     exactly as read_adapter + pack, whatever the format, rank, sharing and experts left out."""
     model_dir, model = moe_model
-    layout, arch = SlotLayout(model, MAX_RANK, dtype), ArchConfig.from_dir(model_dir)
+    layout = SlotLayout(model, MAX_RANK, dtype)
     path = read_cases[name]
     if dtype != torch.float32:
         path = _stored_as(path, dtype, tmp_path_factory.getbasetemp() / f"{name}-{dtype}")
     stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
     with concurrent.futures.ThreadPoolExecutor(parts) as pool:
-        got = layout.read_packed(locate_adapter("a", path, arch, MAX_RANK), pin=False, out=stale, pool=pool,
+        got = layout.read_packed(locate_adapter("a", path, layout.targets, MAX_RANK), pin=False, out=stale, pool=pool,
                                  parts=parts)
     assert got is stale
-    want = layout.pack(read_adapter("a", path, arch, MAX_RANK, dtype), pin=False)
+    want = layout.pack(read_adapter("a", path, layout.targets, MAX_RANK, dtype), pin=False)
     for layer, region in layout.expert_regions.items():
         span = slice(region.offset, region.offset + region.num_bytes)
         assert torch.equal(got[span], want[span]), layer
@@ -174,8 +172,8 @@ def test_expert_adapters_read_into_place_give_the_bytes_pack_gives(moe_model, re
 def test_expert_adapters_stored_in_another_dtype_take_the_converting_read(moe_model, adapters):
     """A float32 file under bfloat16 slots: read_packed leaves it to read_adapter + pack (one contiguous buffer)."""
     model_dir, model = moe_model
-    layout, arch = SlotLayout(model, MAX_RANK, torch.bfloat16), ArchConfig.from_dir(model_dir)
-    assert layout.read_packed(locate_adapter("a", adapters["stacked"], arch, MAX_RANK), pin=False) is None
+    layout = SlotLayout(model, MAX_RANK, torch.bfloat16)
+    assert layout.read_packed(locate_adapter("a", adapters["stacked"], layout.targets, MAX_RANK), pin=False) is None
     packed = _pack(adapters["stacked"], model_dir, layout)
     assert packed.is_contiguous() and packed.shape == (layout.num_bytes,)
 
@@ -183,11 +181,11 @@ def test_expert_adapters_stored_in_another_dtype_take_the_converting_read(moe_mo
 def test_an_attention_adapter_on_a_moe_model_reads_straight_into_place(moe_model):
     """Dense LoRA keeps read_packed's fast path: the same bytes as pack, the expert regions zero."""
     model_dir, model = moe_model
-    layout, arch = SlotLayout(model, MAX_RANK, torch.float32), ArchConfig.from_dir(model_dir)
+    layout = SlotLayout(model, MAX_RANK, torch.float32)
     path = adapter_dir(model_dir, "r8-attn")
     stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
-    got = layout.read_packed(locate_adapter("a", path, arch, MAX_RANK), pin=False, out=stale)
+    got = layout.read_packed(locate_adapter("a", path, layout.targets, MAX_RANK), pin=False, out=stale)
     assert got is stale
-    assert torch.equal(got, layout.pack(read_adapter("a", path, arch, MAX_RANK, torch.float32), pin=False))
+    assert torch.equal(got, layout.pack(read_adapter("a", path, layout.targets, MAX_RANK, torch.float32), pin=False))
     for region in layout.expert_regions.values():
         assert not got[region.offset:region.offset + region.num_bytes].any()

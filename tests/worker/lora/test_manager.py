@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tests.worker.lora.engine_runs import InlineExecutor
-from worker.arch import ArchConfig
 from worker.config import KernelConfig, LoRAConfig
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.lora.adapter import AdapterSpec
@@ -28,7 +27,7 @@ def make_model(model_dir, tp: TensorParallel = SINGLE):
 def make_manager(model_dir, config: LoRAConfig, followers=None) -> AdapterManager:
     model = make_model(model_dir)
     pool = build_gpu_pool(model, config, torch.float32, CPU, side_stream=False)
-    return AdapterManager(config, ArchConfig.from_dir(model_dir), pool, model, followers)
+    return AdapterManager(config, pool, model, followers)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "blocking"])
@@ -55,7 +54,7 @@ def test_a_gpu_pool_of_another_size_than_max_loras_is_refused(llama):
     model = make_model(llama)
     pool = build_gpu_pool(model, LoRAConfig(max_loras=2), torch.float32, CPU, side_stream=False)
     with pytest.raises(ValueError, match="the GPU pool has 2 slots but max_loras is 4"):
-        AdapterManager(LoRAConfig(max_loras=4), ArchConfig.from_dir(llama), pool, model)
+        AdapterManager(LoRAConfig(max_loras=4), pool, model)
 
 
 def test_fully_sharded_loras_shrink_a_slot_only_over_several_ranks(llama):

@@ -1,5 +1,6 @@
-"""Adapters on MoE base models (lora/moe_adapter.py through lora/adapter.py): what an adapter's spec says it
-covers (target_modules, the rank over every module, experts included), and what is refused, by name."""
+"""Adapters on MoE base models (lora/formats/ through lora/adapter.py, against the models' LoRA targets): what an
+adapter's spec says it covers (target_modules, the rank over every module, experts included), and what is refused,
+by name."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from safetensors.torch import save_file
 from tests.moe_fixtures import SHAPE, HandExpertAdapter, save_hand_expert_adapter
 from worker.lora.adapter import AdapterError, inspect_adapter
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 PREFIX = "base_model.model.model.layers."
 
@@ -36,7 +38,7 @@ def test_expert_adapter_spec_lists_the_experts_and_their_largest_rank(hf_moe_mod
                                                                      targets):
     arch_name = "mixtral" if mixtral_names else "qwen3_moe"
     save_hand_expert_adapter(spec, [0, 1], SHAPE, mixtral_names, tmp_path / "a", seed=0)
-    found = inspect_adapter("a", tmp_path / "a", ArchConfig.from_dir(hf_moe_models[arch_name]), 8)
+    found = inspect_adapter("a", tmp_path / "a", lora_targets(ArchConfig.from_dir(hf_moe_models[arch_name])), 8)
     assert found.target_modules == targets and found.rank == max(spec.ranks)
 
 
@@ -46,7 +48,7 @@ def test_shared_expert_and_dense_layer_mlp_lora_are_dense_modules_of_qwen2_moe(h
                **_pair("1.mlp.up_proj", 5, 64, 96), **_pair("0.self_attn.q_proj", 2, 64, 64),
                **_pair("0.mlp.experts.1.down_proj", 6, 32, 64)}
     _write(tmp_path / "a", tensors)
-    found = inspect_adapter("a", tmp_path / "a", ArchConfig.from_dir(hf_moe_models["qwen2_moe"]), 8)
+    found = inspect_adapter("a", tmp_path / "a", lora_targets(ArchConfig.from_dir(hf_moe_models["qwen2_moe"])), 8)
     assert found.target_modules == ("q_proj", "up_proj", "shared_expert.gate_proj", "shared_expert.down_proj",
                                     "experts.down_proj")
     assert found.rank == 6
@@ -63,7 +65,7 @@ def test_shared_expert_and_dense_layer_mlp_lora_are_dense_modules_of_qwen2_moe(h
 def test_modules_a_moe_base_cannot_serve_are_refused_by_name(hf_moe_models, tmp_path, arch, module, fans, words):
     _write(tmp_path / "a", _pair(module, 2, *fans))
     with pytest.raises(AdapterError, match=words) as raised:
-        inspect_adapter("a", tmp_path / "a", ArchConfig.from_dir(hf_moe_models[arch]), 8)
+        inspect_adapter("a", tmp_path / "a", lora_targets(ArchConfig.from_dir(hf_moe_models[arch])), 8)
     assert f"layers.{module}.lora_" in str(raised.value)
 
 
@@ -71,17 +73,17 @@ def test_modules_a_moe_base_cannot_serve_are_refused_by_name(hf_moe_models, tmp_
 def test_expert_lora_on_a_dense_base_model_is_refused(hf_models, tmp_path, fmt):
     save_hand_expert_adapter(HandExpertAdapter("a", fmt, (2, 2, 2)), [0], SHAPE, False, tmp_path / "a", seed=0)
     with pytest.raises(AdapterError, match=r"base model \(LlamaForCausalLM\) is dense") as raised:
-        inspect_adapter("a", tmp_path / "a", ArchConfig.from_dir(hf_models["llama"]), 8)
+        inspect_adapter("a", tmp_path / "a", lora_targets(ArchConfig.from_dir(hf_models["llama"])), 8)
     assert ".mlp.experts." in str(raised.value)
 
 
 def test_expert_rank_above_max_lora_rank_is_refused(hf_moe_models, tmp_path):
     save_hand_expert_adapter(HandExpertAdapter("a", "stacked", (2, 2, 12)), [0], SHAPE, False, tmp_path / "a", seed=0)
     with pytest.raises(AdapterError, match="greater than max_lora_rank 8"):
-        inspect_adapter("a", tmp_path / "a", ArchConfig.from_dir(hf_moe_models["qwen3_moe"]), 8)
+        inspect_adapter("a", tmp_path / "a", lora_targets(ArchConfig.from_dir(hf_moe_models["qwen3_moe"])), 8)
 
 
 def test_shared_expert_lora_of_the_wrong_width_is_refused(hf_moe_models, tmp_path):
     _write(tmp_path / "a", _pair("0.mlp.shared_expert.gate_proj", 2, 64, 96))      # the dense layers' width
     with pytest.raises(AdapterError, match=r"layer 0 shared_expert.gate_proj: .* \(expected \[r, 64\] and \[48, r\]\)"):
-        inspect_adapter("a", tmp_path / "a", ArchConfig.from_dir(hf_moe_models["qwen2_moe"]), 8)
+        inspect_adapter("a", tmp_path / "a", lora_targets(ArchConfig.from_dir(hf_moe_models["qwen2_moe"])), 8)

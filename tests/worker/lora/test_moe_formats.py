@@ -25,7 +25,8 @@ from tests.moe_fixtures import (
 )
 from worker.kernels.reference import moe_lora_experts
 from worker.lora.adapter import AdapterError
-from worker.lora.formats import materialise, read_expert_formats
+from worker.lora.formats.expert_lora import materialise
+from worker.lora.formats.experts import read_expert_formats
 from worker.lora.safetensors_file import tensor_file
 
 FAMILIES = ("qwen3_moe", "mixtral")

@@ -15,15 +15,16 @@ from worker.kernels import reference
 from worker.lora.adapter import locate_adapter, read_adapter, read_adapter_weights
 from worker.lora.slot_layout import PackedReader
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 
 def test_a_packed_adapter_loads_into_its_slot_with_one_copy(llama):
     """The slot's LoRA delta equals sum_modules scaling * x @ A^T @ B^T from the PEFT tensors."""
     engine = make_engine(llama, max_loras=3)
-    pool, arch = engine.runner.lora_pool, engine.arch
+    pool, arch, targets = engine.runner.lora_pool, engine.arch, engine.runner.lora_pool.layout.targets
     spec = ADAPTERS[1]     # every target, two ranks, alpha_pattern
-    adapter = read_adapter_weights(spec.name, adapter_dir(llama, spec.name), arch, 16, torch.float32)
-    packed = pool.layout.pack(read_adapter(spec.name, adapter_dir(llama, spec.name), arch, 16, torch.float32),
+    adapter = read_adapter_weights(spec.name, adapter_dir(llama, spec.name), targets, 16, torch.float32)
+    packed = pool.layout.pack(read_adapter(spec.name, adapter_dir(llama, spec.name), targets, 16, torch.float32),
                               pin=False)
     assert packed.shape == (pool.layout.num_bytes,)
     pool.start_load(1, packed, adapter.rank, "key")
@@ -32,16 +33,15 @@ def test_a_packed_adapter_loads_into_its_slot_with_one_copy(llama):
     assert torch.equal(pool.slots[1], packed) and not pool.slots[0].any() and not pool.slots[2].any()
     assert pool.ranks.tolist() == [0, adapter.rank, 0] and pool.ranks_host == [0, adapter.rank, 0]
     x = torch.randn(5, max(arch.hidden_size, arch.intermediate_size), generator=torch.Generator().manual_seed(0))
-    targets = engine.runner.model.lora_targets
     for (layer, name), w in pool.weights.items():
         xin = x[:, :w.a.shape[2]]
         y = torch.zeros(5, w.b.shape[1])
         xa = reference.lora_shrink(xin, w.a, [0, 5], [1], pool.ranks_host, w.num_slices)
         reference.lora_expand(y, xa, w.b, [0, 5], [1], pool.ranks_host, w.scalings, w.slice_offsets)
         expected = torch.zeros_like(y)
-        for (m_layer, target), m in adapter.modules.items():
-            proj, s = targets[target]
-            if (m_layer, proj) == (layer, name):
+        for (m_layer, module), m in adapter.modules.items():
+            target, s = targets.packing(m_layer, module)
+            if (m_layer, target.projection) == (layer, name):
                 lo, hi = w.slice_offsets[s], w.slice_offsets[s + 1]
                 expected[:, lo:hi] += m.scaling * (xin @ m.a.T @ m.b.T)
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
@@ -58,8 +58,7 @@ def test_read_adapter_gives_each_tensor_in_the_serving_dtype(llama, tmp_path, fi
     tensors = load_file(str(path / "adapter_model.safetensors"))
     typed = {k: t.to(file_dtypes["lora_B" in k]) for k, t in tensors.items()}
     save_file(typed, str(path / "adapter_model.safetensors"))
-    arch = ArchConfig.from_dir(llama)
-    adapter = read_adapter("typed", path, arch, 16, dtype)
+    adapter = read_adapter("typed", path, lora_targets(ArchConfig.from_dir(llama)), 16, dtype)
     prefix = "base_model.model.model.layers"
     for (layer, target), m in adapter.modules.items():
         block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
@@ -80,11 +79,11 @@ def test_reading_straight_into_place_gives_the_packed_bytes(llama, spec, max_ran
     from worker.lora import file_reads
     monkeypatch.setattr(file_reads, "MIN_PART_BYTES", 1000)     # the fixtures' adapters are small
     engine = make_engine(llama, max_loras=2, max_lora_rank=max_rank)
-    layout, arch, path = engine.runner.lora_pool.layout, engine.arch, adapter_dir(llama, spec.name)
-    expected = layout.pack(read_adapter(spec.name, path, arch, max_rank, torch.float32), pin=False)
+    layout, path = engine.runner.lora_pool.layout, adapter_dir(llama, spec.name)
+    expected = layout.pack(read_adapter(spec.name, path, layout.targets, max_rank, torch.float32), pin=False)
     stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
     with concurrent.futures.ThreadPoolExecutor(parts) as pool:
-        got = layout.read_packed(locate_adapter(spec.name, path, arch, max_rank), pin=False, out=stale,
+        got = layout.read_packed(locate_adapter(spec.name, path, layout.targets, max_rank), pin=False, out=stale,
                                  pool=pool, parts=parts)
     assert got is stale and torch.equal(got, expected)
 
@@ -102,9 +101,10 @@ def test_reading_into_place_leaves_other_dtypes_to_the_converting_read(llama, tm
     tensors = load_file(str(path / "adapter_model.safetensors"))
     save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, str(path / "adapter_model.safetensors"))
     engine = make_engine(llama, max_loras=2)
-    layout, arch = engine.runner.lora_pool.layout, engine.arch
-    source = locate_adapter("bf16", path, arch, 16)
+    layout = engine.runner.lora_pool.layout
+    source = locate_adapter("bf16", path, layout.targets, 16)
     assert layout.read_packed(source, pin=False) is None     # the slots are fp32
-    entry = PackedReader(arch, layout, pin=False)(source.spec)     # the engine's reader converts instead
-    assert torch.equal(entry.packed, layout.pack(read_adapter("bf16", path, arch, 16, torch.float32), pin=False))
+    entry = PackedReader(layout, pin=False)(source.spec)     # the engine's reader converts instead
+    assert torch.equal(entry.packed, layout.pack(read_adapter("bf16", path, layout.targets, 16, torch.float32),
+                                                 pin=False))
     assert entry.rank == source.spec.rank

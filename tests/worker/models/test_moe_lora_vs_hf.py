@@ -16,8 +16,8 @@ from tests.moe_fixtures import (HandExpertAdapter, PeftExpertAdapter, merged_hf_
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
-from worker.lora.moe_adapter import expert_shape
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 NUM_DECODE = 16
@@ -45,7 +45,7 @@ def expert_adapters(hf_moe_models, tmp_path_factory) -> dict[str, dict]:
     out = {}
     for arch in ARCHS:
         model_dir, root = hf_moe_models[arch], tmp_path_factory.mktemp(f"experts-{arch}")
-        shape = expert_shape(ArchConfig.from_dir(model_dir))
+        shape = lora_targets(ArchConfig.from_dir(model_dir)).experts
         sparse = [layer for layer in range(shape.num_layers) if layer not in shape.dense_layers]
         paths, deltas = {}, {}
         for i, spec in enumerate(peft_adapters(arch)):

@@ -16,6 +16,7 @@ from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig,
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError, inspect_adapter
 from worker.arch import ArchConfig
+from worker.models.builder import lora_targets
 
 ARCHS = ["qwen3_moe", "mixtral", "qwen2_moe"]
 NUM_DECODE = 16
@@ -153,8 +154,8 @@ def test_adapter_on_a_module_a_moe_model_cannot_serve_is_refused_by_name(hf_moe_
     tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     tensors[key] = torch.zeros(4, 64)
     save_file(tensors, str(tmp_path / "a" / "adapter_model.safetensors"))
-    arch_config = ArchConfig.from_dir(hf_moe_models[arch])
+    targets = lora_targets(ArchConfig.from_dir(hf_moe_models[arch]))
     with pytest.raises(AdapterError, match=words) as raised:
-        inspect_adapter("bad", tmp_path / "a", arch_config, 8)
+        inspect_adapter("bad", tmp_path / "a", targets, 8)
     assert key.removeprefix("base_model.model.") in str(raised.value)
-    inspect_adapter("good", source, arch_config, 8)   # the attention adapter itself is served
+    inspect_adapter("good", source, targets, 8)   # the attention adapter itself is served

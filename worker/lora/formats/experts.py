@@ -1,4 +1,5 @@
-"""Expert LoRA formats of MoE adapters: which tensors adapt which experts, detected from the tensors alone.
+"""Expert LoRA formats of MoE adapters: which tensors adapt which experts, detected from the tensors alone and
+checked against the routed experts of the model's LoRA targets (lora/targets.py ExpertShape).
 
 Three formats, told apart by tensor names and shapes (no flag), each normalised into per-layer
 `ExpertLayerLoRA`: for each of gate, up and down an A [n, r, in] and a B [n, out, r], n = num_experts,
@@ -31,86 +32,54 @@ none of these: an AdapterError names the tensor, so an adapter is never served a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from worker.lora.peft_config import module_scaling, read_config
 from worker.lora.errors import AdapterError
+from worker.lora.formats.expert_lora import ExpertLayerLoRA, ExpertMatrix, ExpertProjection, StoredTensor
+from worker.lora.peft_config import module_scaling, read_config
 from worker.lora.safetensors_file import read_header
+from worker.lora.targets import EXPERT_MODULES, ExpertShape, LoRATargets
 
 PROJECTIONS = ("gate", "up", "down")
 _NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+# the experts' module names an adapter_config.json's target_modules may give (PEFT matches them as suffixes)
+EXPERT_MODULE_NAMES = tuple(_NAMES)
 _BLOCK = r"layers\.(\d+)\.(mlp|block_sparse_moe)\."
 _PEFT = re.compile(_BLOCK + r"experts\.((?:base_layer\.)*)lora_([AB])\.weight$")
 _PER_EXPERT = re.compile(_BLOCK + r"experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.lora_([AB])\.weight$")
 _STACKED = re.compile(_BLOCK + r"experts\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.lora_([AB])\.weight$")
 _ROUTER = re.compile(_BLOCK + r"gate\.")
 _EXPERTS = re.compile(_BLOCK + r"experts\.")
+# a tensor about experts or a router, whatever its format: refused on a dense base model
+_ABOUT_EXPERTS = re.compile(r"\.(?:mlp|block_sparse_moe)\.(?:experts|gate|shared_expert_gate)\.|\.block_sparse_moe\.")
 
 
-@dataclass(frozen=True)
-class ExpertShape:
-    """The base model's MoE facts the formats are checked against."""
-    num_layers: int
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int       # per expert (moe_intermediate_size)
-    dense_layers: tuple[int, ...] = ()   # layers with a dense MLP instead of experts (mlp_only_layers)
+def expert_tensors(header: dict, data_start: int, config: dict, targets: LoRATargets,
+                   max_lora_rank: int) -> tuple[dict[int, ExpertLayerLoRA], list[str]]:
+    """(layer -> its expert LoRA, the keys of every other tensor) of an adapter's tensor header (key -> (dtype,
+    shape, begin, end)); raises AdapterError naming a tensor that cannot be served. On a dense base model (no
+    experts in `targets`), a tensor about experts or a router is refused."""
+    if targets.experts is None:
+        for key in header:
+            if _ABOUT_EXPERTS.search(key):
+                raise AdapterError(f"adapter tensor {key!r} adapts the experts or router of a mixture-of-experts "
+                                   f"model, but the base model ({targets.architecture}) is dense; load an adapter "
+                                   "trained for this base model")
+        return {}, list(header)
+    tensors = {key: StoredTensor(key, dtype, shape, (data_start + begin, data_start + end))
+               for key, (dtype, shape, begin, end) in header.items()}
+    return detect_expert_formats(tensors, config, targets.experts, max_lora_rank)
 
 
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor of adapter_model.safetensors: its dtype, stored shape and absolute byte range [begin, end)."""
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    span: tuple[int, int]
-
-
-@dataclass(frozen=True)
-class ExpertMatrix:
-    """One LoRA factor of one projection for all its experts, [n, rows, cols] once assembled.
-
-    layout says how the stored tensors give it:
-      "peft_a":     one [n*rows, cols] tensor; expert e is rows e*rows:(e+1)*rows
-      "peft_b":     one [total, cols*n] tensor; expert e is rows row_offset:row_offset+rows, columns e::n
-      "stacked":    one [n, rows, cols] tensor
-      "per_expert": one [rows, cols] tensor per expert (None: that expert is not adapted, zeros)
-    `part` (tensor parallelism, lora/shards.py): (dim, start, length), the rows (dim 1) or columns
-    (dim 2) of the assembled [n, rows, cols] that one rank keeps; None: all of it. `shape` stays the stored one.
-    """
-    shape: tuple[int, int, int]
-    layout: str
-    sources: tuple[StoredTensor | None, ...]
-    row_offset: int = 0
-    part: tuple[int, int, int] | None = None
-
-
-@dataclass(frozen=True)
-class ExpertProjection:
-    """LoRA on one projection of every expert of a layer: delta_e = scaling * b[e or 0] @ a[e or 0]."""
-    a: ExpertMatrix              # [n_a, rank, in_features]
-    b: ExpertMatrix              # [n_b, out_features, rank]
-    rank: int
-    scaling: float
-
-
-@dataclass(frozen=True)
-class ExpertLayerLoRA:
-    """One MoE layer's expert LoRA, normalised; a projection the adapter leaves alone is None."""
-    layer: int
-    format: str                  # "target_parameters", "per_expert" or "stacked"
-    gate: ExpertProjection | None
-    up: ExpertProjection | None
-    down: ExpertProjection | None
-
-    @property
-    def shared_outer(self) -> bool:
-        """Whether the gate/up A's and the down B serve every expert (expert dimension 1)."""
-        parts = [p.a for p in (self.gate, self.up) if p] + ([self.down.b] if self.down else [])
-        return bool(parts) and all(m.shape[0] == 1 for m in parts)
+def expert_coverage(layers: dict[int, ExpertLayerLoRA]) -> tuple[set[str], int]:
+    """(the EXPERT_MODULES names the layers adapt, their largest rank; 0 when none)."""
+    names, rank = set(), 0
+    for found in layers.values():
+        for name, proj in zip(EXPERT_MODULES, (found.gate, found.up, found.down)):
+            if proj is not None:
+                names.add(name)
+                rank = max(rank, proj.rank)
+    return names, rank
 
 
 def read_expert_formats(path: str | Path, shape: ExpertShape,
@@ -289,39 +258,3 @@ def _check_rank(key: str, rank: int, max_lora_rank: int) -> None:
     if rank > max_lora_rank:
         raise AdapterError(f"LoRA rank {rank} of adapter tensor {key!r} is greater than max_lora_rank "
                            f"{max_lora_rank}. Raise --max-lora-rank to serve it.")
-
-
-def materialise(matrix: ExpertMatrix, file: Path) -> torch.Tensor:
-    """Read one ExpertMatrix from the adapter's tensor file as float32 [n, rows, cols] (its `part` of them, when
-    it has one: [n, length, cols] or [n, rows, length])."""
-    whole = _assemble(matrix, file)
-    return whole if matrix.part is None else whole.narrow(*matrix.part).contiguous()
-
-
-def _assemble(matrix: ExpertMatrix, file: Path) -> torch.Tensor:
-    """The whole [n, rows, cols] of one ExpertMatrix, float32."""
-    n, rows, cols = matrix.shape
-    if matrix.layout == "per_expert":
-        out = torch.zeros(n, rows, cols)
-        for e, source in enumerate(matrix.sources):
-            if source is not None:
-                out[e] = _read(file, source)
-        return out
-    t = _read(file, matrix.sources[0])
-    if matrix.layout == "peft_a":
-        return t.view(n, rows, cols)                       # [n*rows, cols] -> expert-major blocks of rows
-    if matrix.layout == "peft_b":
-        t = t[matrix.row_offset:matrix.row_offset + rows]  # [rows, cols*n]: column k*n + e is expert e's k
-        return t.view(rows, cols, n).permute(2, 0, 1).contiguous()
-    return t                                               # "stacked": [n, rows, cols] as stored
-
-
-def _read(file: Path, tensor: StoredTensor) -> torch.Tensor:
-    """One stored tensor as float32 in its stored shape."""
-    begin, end = tensor.span
-    with open(file, "rb") as f:
-        f.seek(begin)
-        raw = bytearray(f.read(end - begin))
-    if len(raw) != end - begin:
-        raise AdapterError(f"adapter tensor {tensor.key!r} lies past the end of {file}")
-    return torch.frombuffer(raw, dtype=tensor.dtype).float().view(tensor.shape)
