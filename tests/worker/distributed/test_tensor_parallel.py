@@ -1,9 +1,8 @@
 """Tensor parallelism at the model level, on the CPU over gloo: the tiny Llama-family models sharded over 2 ranks
 (spawned with torch.multiprocessing, MASTER_ADDR=127.0.0.1) give the logits of the unsharded model within the fp32
 summation-order bound of tests/fp32_bounds.py (2.9e-4 of the largest logit; both sides at one thread), prefill and
-decode, for the base model and for a batch mixing base rows with adapters of different
-ranks and targets (attention and MLP); 4 ranks over 2 KV heads replicate each head; dummy weights are the same
-model at every size."""
+decode, for the base model and for a batch mixing base rows with adapters of different ranks and targets (attention
+and MLP); 4 ranks over 2 KV heads replicate each head; dummy weights are the same model at every size."""
 from __future__ import annotations
 
 import pytest

@@ -1,10 +1,10 @@
 """Tensor parallelism of the MoE models (Qwen3-MoE, Mixtral, Qwen2-MoE with its shared expert and a dense layer), on
 the CPU over gloo: every rank holds every expert, sharded along the expert intermediate size; TP=2 (and TP=4 on
-Qwen2-MoE) gives the logits of the unsharded model within the fp32 summation-order bound (tests/fp32_bounds.py: 2.5e-4
-of the largest logit), prefill and decode, for the base model
-(per-expert and fused checkpoints, dummy weights) and for a batch mixing base rows with expert adapters of every
-format (PEFT target_parameters with attention, shared-expert and dense-MLP LoRA; per-expert modules, Mixtral's
-w1/w3/w2 included; stacked; shared-outer). Each MoE block all-reduces once."""
+Qwen2-MoE) gives the logits of the unsharded model within the fp32 summation-order bound (tests/fp32_bounds.py: at
+most 2.5e-4 of the largest logit; both sides at one thread), prefill and decode, for the base model (per-expert and
+fused checkpoints, dummy weights) and for a batch mixing base rows with expert adapters of every format (PEFT
+target_parameters with attention, shared-expert and dense-MLP LoRA; per-expert modules, Mixtral's w1/w3/w2 included;
+stacked; shared-outer). Each MoE block all-reduces once."""
 from __future__ import annotations
 
 import json
