@@ -119,7 +119,7 @@ def test_forward_with_lora_equals_the_float32_reference(rank, num_tokens, mix):
     linear = Linear(IN, SLICES, True, torch.float32, CPU)
     linear.load_shard("weight", None, torch.randn(OUT, IN, generator=gen) / IN ** 0.5)
     linear.load_shard("bias", None, torch.randn(OUT, generator=gen))
-    ranks = [rank, max(1, rank // 2), R]                 # slots of different ranks, the largest padded to R
+    ranks = [rank, max(1, rank // 2), R]                 # slots of three ranks, each zero-padded to R
     linear.lora = lora_weights(ranks, IN, gen)
     segments = ADAPTER_MIXES[mix](num_tokens, gen)
     info = batch_info([w for w, _ in segments], [n for _, n in segments], ranks)
