@@ -84,7 +84,7 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests)   # TESTS: a narrower selection of test paths (default: all GPU and kernel tests)
-             timeout 590 python3 -m pytest ${TESTS:-tests/gpu tests/kernels} -q -rA -p no:cacheprovider > "$OUT/tests.log" 2>&1 ;;
+             timeout 590 python3 -m pytest ${TESTS:-tests/gpu tests/worker/kernels} -q -rA -p no:cacheprovider > "$OUT/tests.log" 2>&1 ;;
     decode)  # DECODE_MODES: a subset of bench.decode_step's modes (default: all)
              timeout 300 python3 -m bench.decode_step --profile ${DECODE_MODES:+--modes $DECODE_MODES} \
                --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 ;;

@@ -93,7 +93,10 @@ def test_mixed_graph_padding_fills_fixed_shapes():
 
 def test_mixed_graph_padding_gives_the_unpadded_logits(hf_models):
     """The model on a padded mixed batch (CPU reference path) computes the same sampled logits as on the
-    batch itself: padding rows, sequences and segments touch nothing real."""
+    batch itself: padding rows, sequences and segments touch nothing real. The padded GEMMs have other shapes, so
+    the sums may run in another order: the same within the fp32 summation-order bound (tests/fp32_bounds.py);
+    a padding row leaking into a real one moves its logits by far more."""
+    from tests.fp32_bounds import assert_logits_close, forward_rtol
     from tests.hf_fixtures import ADAPTERS, adapter_dir
     from worker.config import CacheConfig, LoRAConfig, ModelConfig, WorkerConfig
     from worker.engine import Engine
@@ -118,7 +121,8 @@ def test_mixed_graph_padding_gives_the_unpadded_logits(hf_models):
         padded = runner.model(runner.input_builder.build(batch, prev_tokens=prev, mixed_pad=(32, 6)),
                               runner.kv_pool.caches)
     assert padded.shape[0] == 6
-    torch.testing.assert_close(padded[:n_sample], plain[-n_sample:], atol=1e-5, rtol=1e-5)
+    rtol = forward_rtol(runner.model.cfg, 11 + 8)          # the longest prompt and its 8 tokens
+    assert_logits_close(padded[:n_sample], plain[-n_sample:], rtol, "padded-batch logits")
 
 
 def test_token_slots_give_each_token_row_its_segments_slot():

@@ -1,14 +1,22 @@
 """The engine at --tensor-parallel-size 2 on the CPU (rank 0 here, rank 1 a follower process, gloo): the same
 outputs as at size 1 for greedy and seeded requests mixing the base model and adapters, with chunked prefill,
-preemption, prompt logprobs and a load_inplace; a follower that dies is reported, not waited for."""
+preemption, prompt logprobs and a load_inplace; a follower that dies is reported, not waited for.
+
+"The same" within the fp32 summation-order bound of tests/fp32_bounds.py (both sizes run at torch's default thread
+count, in this process and in the followers it starts): logits within δ, logprobs within 2δ, greedy tokens equal up
+to a near-tie (the reference's token ahead by at most 2δ), after which that request is compared no further. Seeded
+rows are held to exact tokens: a sampled token parts only where its exponential race is within 2δ of a tie, odds of
+order δ a step, and the race's margin cannot be read from the outputs to excuse one."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.hf_fixtures import ADAPTERS, adapter_dir
+from tests.fp32_bounds import assert_logits_close, assert_same_until_a_tie, forward_rtol, logits_bound
+from tests.hf_fixtures import ADAPTERS, adapter_dir, capture_sampled_logits
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
@@ -32,22 +40,56 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(engine: Engine, requests) -> dict[str, list]:
+@dataclass
+class Result:
+    """One request's outputs and the logits [steps, vocab] it sampled from."""
+    params: SamplingParams
+    tokens: list[int]
+    finish_reason: str | None
+    logprobs: list[float]                  # of each sampled token
+    prompt_logprobs: list | None
+    logits: torch.Tensor
+
+
+def run(engine: Engine, requests) -> tuple[dict[str, Result], float]:
+    """Each request's Result, and the summation-order bound (relative) of the engine's model over them."""
+    logits = capture_sampled_logits(engine)
     for rid, tokens, params, adapter in requests:
         engine.add_request(rid, tokens, params, adapter)
     outputs: dict[str, list] = {}
     while engine.has_unfinished():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
-    return outputs
+    params = {rid: p for rid, _, p, _ in requests}
+    results = {rid: Result(params[rid], [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason,
+                           [lp.logprob for o in outs for lp in (o.new_logprobs or [])], outs[0].prompt_logprobs,
+                           torch.stack(logits[rid]))
+               for rid, outs in outputs.items()}
+    longest = max(len(tokens) + p.max_tokens for _, tokens, p, _ in requests)
+    return results, forward_rtol(engine.runner.model.cfg, longest)
 
 
-def summary(outputs: dict[str, list]) -> dict[str, tuple]:
-    return {rid: ([t for o in outs for t in o.new_token_ids], outs[-1].finish_reason) for rid, outs in outputs.items()}
-
-
-def logprobs_of(outputs: dict[str, list]) -> dict[str, list[float]]:
-    return {rid: [lp.logprob for o in outs for lp in (o.new_logprobs or [])] for rid, outs in outputs.items()}
+def assert_same_outputs(got: tuple[dict[str, Result], float], expected: tuple[dict[str, Result], float]) -> None:
+    """Per request, as the module docstring says: tokens, logits and logprobs up to a greedy row's near-tie, and
+    the finish reason of a request that did not part."""
+    (got, _), (expected, rtol) = got, expected
+    assert got.keys() == expected.keys()
+    for rid, ref in expected.items():
+        ours, steps = got[rid], len(ref.tokens)
+        if ref.params.temperature == 0.0:
+            steps = assert_same_until_a_tie(ours.tokens, ref.tokens, ref.logits, ours.logits, rtol, rid)
+        else:
+            assert ours.tokens == ref.tokens, f"{rid}: sampled tokens differ"
+            assert_logits_close(ours.logits, ref.logits, rtol, f"{rid}: logits")
+        if steps == len(ref.tokens):
+            assert ours.finish_reason == ref.finish_reason, rid
+        delta = logits_bound(ref.logits, rtol)
+        assert ours.logprobs[:steps] == pytest.approx(ref.logprobs[:steps], rel=0, abs=2 * delta), rid
+        assert (ours.prompt_logprobs is None) == (ref.prompt_logprobs is None), rid
+        if ref.prompt_logprobs is not None:
+            assert [lp is None for lp in ours.prompt_logprobs] == [lp is None for lp in ref.prompt_logprobs]
+            assert [lp.logprob for lp in ours.prompt_logprobs[1:]] == pytest.approx(
+                [lp.logprob for lp in ref.prompt_logprobs[1:]], rel=0, abs=2 * delta), f"{rid}: prompt logprobs"
 
 
 def requests(seed: int = 0):
@@ -76,10 +118,7 @@ def test_tp2_engine_outputs_equal_tp1(both, sched):
     tp1, tp2 = both
     engine = tp2(**sched)
     assert engine.runner.model.tp.world_size == 2 and engine.runner.model.num_kv_heads == 1   # 2 KV heads, split
-    expected, got = run(tp1(**sched), requests()), run(engine, requests())
-    assert summary(got) == summary(expected)
-    for rid, lps in logprobs_of(expected).items():
-        assert logprobs_of(got)[rid] == pytest.approx(lps, abs=1e-4)
+    assert_same_outputs(run(engine, requests()), run(tp1(**sched), requests()))
 
 
 def test_tp2_fully_sharded_loras_outputs_equal_tp1(both):
@@ -89,10 +128,7 @@ def test_tp2_fully_sharded_loras_outputs_equal_tp1(both):
     engine = tp2(fully_sharded_loras=True)
     qkv, o = engine.runner.model.projection(0, "qkv_proj"), engine.runner.model.projection(0, "o_proj")
     assert qkv.lora.a.shape[1] == 3 * 8 and o.lora.b.shape[1] == o.weight.shape[0] // 2
-    expected, got = run(tp1(), requests(5)), run(engine, requests(5))
-    assert summary(got) == summary(expected)
-    for rid, lps in logprobs_of(expected).items():
-        assert logprobs_of(got)[rid] == pytest.approx(lps, abs=1e-4)
+    assert_same_outputs(run(engine, requests(5)), run(tp1(), requests(5)))
 
 
 def test_tp2_prompt_logprobs_and_more_adapters_than_slots(both):
@@ -100,12 +136,7 @@ def test_tp2_prompt_logprobs_and_more_adapters_than_slots(both):
     tp1, tp2 = both
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
     reqs = [(f"p{i}", prompt(9 + i, 40 + i), params, ADAPTERS[i % len(ADAPTERS)].name) for i in range(6)]
-    expected, got = run(tp1(max_loras=2), reqs), run(tp2(max_loras=2), reqs)
-    assert summary(got) == summary(expected)
-    for rid, outs in expected.items():
-        first, ref = got[rid][0].prompt_logprobs, outs[0].prompt_logprobs
-        assert [lp is None for lp in first] == [lp is None for lp in ref]
-        assert [lp.logprob for lp in first[1:]] == pytest.approx([lp.logprob for lp in ref[1:]], abs=1e-4)
+    assert_same_outputs(run(tp2(max_loras=2), reqs), run(tp1(max_loras=2), reqs))
 
 
 def test_tp2_load_inplace_reaches_the_follower(both, hf_models):
@@ -114,12 +145,12 @@ def test_tp2_load_inplace_reaches_the_follower(both, hf_models):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine = tp2()
     engine.add_adapter("live", str(adapter_dir(llama, "r4-qv")))
-    first = summary(run(engine, [("a", prompt(7, 1), greedy, "live")]))
+    first = run(engine, [("a", prompt(7, 1), greedy, "live")])
     engine.add_adapter("live", str(adapter_dir(llama, "r8-all")), load_inplace=True)
-    second = summary(run(engine, [("b", prompt(7, 1), greedy, "live")]))
+    second = run(engine, [("b", prompt(7, 1), greedy, "live")])
     reference = tp1()
-    assert first["a"] == summary(run(reference, [("a", prompt(7, 1), greedy, "r4-qv")]))["a"]
-    assert second["b"] == summary(run(reference, [("b", prompt(7, 1), greedy, "r8-all")]))["b"]
+    assert_same_outputs(first, run(reference, [("a", prompt(7, 1), greedy, "r4-qv")]))
+    assert_same_outputs(second, run(reference, [("b", prompt(7, 1), greedy, "r8-all")]))
 
 
 def test_a_dead_follower_is_reported(both, monkeypatch):
@@ -155,7 +186,7 @@ def test_tp2_moe_engine_outputs_equal_tp1(hf_moe_models, arch):
         got = run(engine, reqs)
     finally:
         engine.followers.close()
-    assert summary(got) == summary(expected)
+    assert_same_outputs(got, expected)
 
 
 def test_tp4_engine_outputs_equal_tp1(hf_models):
@@ -167,4 +198,4 @@ def test_tp4_engine_outputs_equal_tp1(hf_models):
         got = run(engine, requests(seed=5))
     finally:
         engine.followers.close()
-    assert summary(got) == summary(expected)
+    assert_same_outputs(got, expected)

@@ -3,10 +3,12 @@ architecture) built as `tp` shards it, its adapters (expert LoRA included) packe
 then decode steps through the model's forward, on the CPU.
 
 `run_rank` is spawned once per rank (torch.multiprocessing, gloo over 127.0.0.1); `model_logits` is the same
-computation at any world size, so the TP=1 reference is one call in the test process.
+computation at any world size, so the TP=1 reference is one call in the test process, under `one_thread()` as each
+rank runs (another thread count is another summation order).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -46,6 +48,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch at one intra-op thread inside the block, as in every rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_rank(rank: int, world_size: int, port: int, case: Case, out_dir: str) -> None:
