@@ -13,7 +13,7 @@ from tests.fp32_bounds import assert_logits_close, forward_rtol, logits_bound
 from tests.hf_fixtures import ADAPTERS, adapter_dir
 from tests.worker.distributed.tp_ranks import (NUM_DECODE, Case, build_model, free_port, model_logits, one_thread,
                                                run_rank)
-from worker.models.hf_config import ArchConfig
+from worker.arch import ArchConfig
 from worker.distributed.tensor_parallel import TensorParallel
 
 # base rows between adapter rows; adapter i is slot i (r4-qv, r8-all, r16-mlp-rs)

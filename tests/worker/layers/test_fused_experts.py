@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.layers.moe import FusedExperts
+from worker.layers.sparse_moe import FusedExperts
 
 E, H, I = 4, 16, 8
 

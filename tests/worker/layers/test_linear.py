@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from tests.fp32_bounds import EPS
-from worker.batch import LoRABatchInfo, LoRAWeights
+from worker.batch import LoRABatchInfo
+from worker.lora.weights import LoRAWeights
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.layers.kernel_choices import KernelChoices
+from worker.kernels.choices import KernelChoices
 from worker.layers.linear import Linear
 
 IN, SLICES, R = 32, [16, 8, 8], 16           # a qkv-like projection: three fused slices, slots of rank R
@@ -57,13 +58,13 @@ def batch_info(slots: list[int], seg_lens: list[int], ranks: list[int]) -> LoRAB
     indptr = [0]
     for n in seg_lens:
         indptr.append(indptr[-1] + n)
-    token_slots = [w for w, n in zip(slots, seg_lens) for _ in range(n)]
+    token_lora_slots = [w for w, n in zip(slots, seg_lens) for _ in range(n)]
     i32 = torch.int32
     return LoRABatchInfo(len(slots), torch.tensor(indptr, dtype=i32), torch.tensor(slots, dtype=i32),
                          torch.tensor(ranks, dtype=i32), max((ranks[w] for w in slots if w >= 0), default=0),
-                         max_seg_len=max(seg_lens), token_slots=torch.tensor(token_slots, dtype=i32),
-                         seg_indptr_host=indptr, weight_indices_host=list(slots), ranks_host=list(ranks),
-                         token_slots_host=token_slots)
+                         max_seg_len=max(seg_lens), token_lora_slots=torch.tensor(token_lora_slots, dtype=i32),
+                         seg_indptr_host=indptr, seg_lora_slots_host=list(slots), ranks_host=list(ranks),
+                         token_lora_slots_host=token_lora_slots)
 
 
 def reference(x, weight, bias, lora: LoRAWeights | None = None, info: LoRABatchInfo | None = None,
@@ -78,7 +79,7 @@ def reference(x, weight, bias, lora: LoRAWeights | None = None, info: LoRABatchI
     if absolute:
         a, b, scalings = a.double().abs(), b.double().abs(), scalings.double().abs()
     bounds = info.seg_indptr_host
-    for seg, w in enumerate(info.weight_indices_host):
+    for seg, w in enumerate(info.seg_lora_slots_host):
         if w < 0:
             continue
         rows, r = slice(bounds[seg], bounds[seg + 1]), info.ranks_host[w]

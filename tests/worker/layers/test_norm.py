@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fp32_bounds import EPS
-from worker.layers.kernel_choices import KernelChoices
+from worker.kernels.choices import KernelChoices
 from worker.layers.norm import RMSNorm
 
 RMS_EPS = 1e-5
