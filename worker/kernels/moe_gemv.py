@@ -41,7 +41,9 @@ def _gate_up_act_kernel(
             g = round(g + scalings[w, 0] * sum_{q < rank} xa[xr, q] * gate_up_b[w, e, n, q])          (if scaling != 0)
             u = round(u + scalings[w, 1] * sum_{q < rank} xa[xr, R + q] * gate_up_b[w, e, I + n, q])  (if scaling != 0)
         act[r, n] = round(round(silu(g)) * u)
-    Program (row, column block)."""
+    Program (row, column block). Longer than a helper-sized function because the gate and up GEMVs, their LoRA
+    expands and the activation share one pass over x and the row's weights in registers: split into helpers, the
+    two accumulators and the LoRA operands would be returned through Triton tuples and spill at decode shapes."""
     pdl.launch_dependents(PDL)
     row = tl.program_id(0)
     t = row // TOP_K
@@ -114,7 +116,8 @@ def _down_sum_kernel(
         FLOAT32_WEIGHTS:  out[t, n] = round(sum_j w[t, j] * y_j)                        (Mixtral)
         otherwise:        out[t, n] = round(sum_j round(round(w[t, j]) * y_j))          (Qwen)
     the sum over j in float32, in order j = 0, 1, ... (kernels/fused_moe.py's weighted sum). Program (token, column
-    block); the K rows are one [BLOCK_J, BLOCK_N, BLOCK_K] tile of weights per step."""
+    block); the K rows are one [BLOCK_J, BLOCK_N, BLOCK_K] tile of weights per step. Long for the reason
+    _gate_up_act_kernel is: the GEMV, the LoRA expand and the routing-weighted sum share the tile's registers."""
     pdl.launch_dependents(PDL)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

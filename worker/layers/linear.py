@@ -111,7 +111,12 @@ class Linear(nn.Module):
     def copy_share(self, target: torch.Tensor, tensor: torch.Tensor, shard: int | None, columns: bool) -> None:
         """Copy this rank's share of a checkpoint tensor whose rows are the projection's output rows into
         `target`: column-parallel, rows [start, start + length) of each fused slice; row-parallel with
-        `columns`, the columns of this rank's input shard."""
+        `columns`, the columns of this rank's input shard. The checkpoint tensor must have the whole projection's
+        shape (of fused slice `shard`): a shard cut from a tensor of another shape would load silently."""
+        rows = self.full_rows() if shard is None else self.full_output_sizes[shard]
+        whole = (rows, self.full_in_features()) if columns else (rows,) + tuple(tensor.shape[1:])
+        if tuple(tensor.shape) != whole:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {whole}")
         if self.output_shards is not None:
             if shard is None:
                 for s, part in enumerate(tensor.split(self.full_output_sizes)):

@@ -4,25 +4,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.models.weight_loader import checkpoint_targets
+
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Normal(0, std) for matrices, ones for norm weights, zeros for biases; deterministic in `seed`. A parameter
-    that holds this rank's shard of a larger tensor (its module's `full_shape` says so) gets its share of the whole
-    tensor drawn as an unsharded model draws it, so every tensor-parallel size runs the same model."""
-    modules = dict(model.named_modules())
-    for i, (name, param) in enumerate(model.named_parameters()):
+    """Normal(0, std) for matrices, ones for norm weights, zeros for biases; deterministic in `seed`. Every checkpoint
+    tensor the model takes (models/weight_loader.checkpoint_targets) is drawn whole, at the checkpoint's shape, and
+    loaded as a checkpoint's would be: through the module's weight scheme (layers/weights/), this rank's share under
+    tensor parallelism, so every tensor-parallel size runs the same model. A plain parameter (a norm, an embedding
+    not sharded) is drawn in place."""
+    dtype = next(model.parameters()).dtype
+    for i, (name, (module, tensor_name)) in enumerate(checkpoint_targets(model).items()):
+        target = getattr(module, tensor_name, None)
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            target.fill_(1.0)
         elif name.endswith("bias"):
-            param.zero_()
-        else:   # drawn where the parameter lives: 8B parameters take seconds on a GPU, minutes on a CPU
-            gen = torch.Generator(device=param.device).manual_seed(seed * 100003 + i)
-            module_name, _, param_name = name.rpartition(".")
-            module = modules[module_name]
-            shape = module.full_shape(param_name) if hasattr(module, "full_shape") else param.shape
-            if tuple(shape) == tuple(param.shape):
-                param.normal_(0.0, std, generator=gen)
+            target.zero_()
+        else:   # drawn where the model lives: 8B parameters take seconds on a GPU, minutes on a CPU
+            device = target.device if target is not None else next(model.parameters()).device
+            gen = torch.Generator(device=device).manual_seed(seed * 100003 + i)
+            shape = module.full_shape(tensor_name) if hasattr(module, "full_shape") else target.shape
+            if not hasattr(module, "checkpoint_tensors") and tuple(shape) == tuple(target.shape):
+                target.normal_(0.0, std, generator=gen)
             else:
-                whole = torch.empty(shape, dtype=param.dtype, device=param.device).normal_(0.0, std, generator=gen)
-                module.load_shard(param_name, None, whole)
+                whole = torch.empty(shape, dtype=target.dtype if target is not None and target.is_floating_point()
+                                    else dtype, device=device).normal_(0.0, std, generator=gen)
+                module.load_shard(tensor_name, None, whole)

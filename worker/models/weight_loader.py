@@ -40,17 +40,21 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """Every checkpoint tensor the model takes, by our name -> (its module, the tensor's name there): the tensors a
-    module's weight scheme names (`checkpoint_tensors`: Linear, FusedExperts; layers/weights/), and the parameters
-    of every other module."""
+    """Every checkpoint tensor the model takes, by our name -> (its module, the tensor's name there), in the order
+    of model.named_parameters(): the tensors a module's weight scheme names (`checkpoint_tensors`: Linear,
+    FusedExperts; layers/weights/), and the parameters of every other module (a tied one once)."""
     targets: dict[str, tuple[nn.Module, str]] = {}
+    seen: set[int] = set()
     for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
         if hasattr(module, "checkpoint_tensors"):
             for tensor in module.checkpoint_tensors():
-                targets[f"{module_name}.{tensor}"] = (module, tensor)
-    for name, _ in model.named_parameters():
-        module_name, _, param = name.rpartition(".")
-        targets.setdefault(name, (model.get_submodule(module_name), param))
+                targets[prefix + tensor] = (module, tensor)
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                targets[prefix + param_name] = (module, param_name)
     return targets
 
 

@@ -23,14 +23,15 @@ from tests.fp32_bounds import EPS
 from worker.batch import LoRABatchInfo
 from worker.lora.weights import LoRAWeights
 from worker.distributed.tensor_parallel import TensorParallel
-from worker.kernels.choices import KernelChoices
+from worker.config import KernelConfig
 from worker.layers.linear import Linear
+from worker.models.builder import resolve_kernels
 
 IN, SLICES, R = 32, [16, 8, 8], 16           # a qkv-like projection: three fused slices, slots of rank R
 OUT = sum(SLICES)
 OFFSETS = (0, 16, 24, 32)
 NUM_SLOTS = 3
-CPU = KernelChoices()                        # the CPU's choices: every layer on its torch reference
+CPU = resolve_kernels(KernelConfig(), torch.device("cpu"))   # every layer on its torch reference, LoRA too
 
 
 @dataclass(frozen=True)
@@ -162,10 +163,23 @@ def test_a_column_parallel_rank_loads_its_rows_of_each_fused_slice(rank):
         assert_within_bound(linear(x), x, whole[rows], bias[rows])
 
 
-def test_a_checkpoint_slice_of_the_wrong_shape_is_refused():
-    linear = Linear(IN, SLICES, False, torch.float32, CPU)
-    with pytest.raises(ValueError, match=r"shape mismatch: checkpoint \(8, 32\) vs model \(16, 32\)"):
-        linear.load_shard("weight", 0, torch.randn(8, IN))
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused_on_every_rank(world_size):
+    """The whole checkpoint tensor is checked before a rank cuts its share: a q slice of 8 rows where 16 are expected
+    would otherwise load silently on rank 0 of 2 (its rows [0, 8) exist) and fail as an indexing error on rank 1."""
+    for rank in range(world_size):
+        tp = TensorParallel(rank=rank, world_size=world_size)
+        column = Linear.column_parallel(IN, SLICES, [tp.split(size, "slice") for size in SLICES], False,
+                                        torch.float32, CPU)
+        with pytest.raises(ValueError, match=r"shape mismatch: checkpoint \(8, 32\) vs model \(16, 32\)"):
+            column.load_shard("weight", 0, torch.randn(8, IN))
+        with pytest.raises(ValueError, match=r"shape mismatch: checkpoint \(32, 24\) vs model \(32, 32\)"):
+            column.load_shard("weight", None, torch.randn(OUT, 24))
+        row = Linear.row_parallel(IN, SLICES, True, torch.float32, CPU, tp)
+        with pytest.raises(ValueError, match=r"shape mismatch: checkpoint \(32, 16\) vs model \(32, 32\)"):
+            row.load_shard("weight", None, torch.randn(OUT, IN // 2))
+        with pytest.raises(ValueError, match=r"shape mismatch: checkpoint \(16,\) vs model \(32,\)"):
+            row.load_shard("bias", None, torch.randn(OUT // 2))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 9])
