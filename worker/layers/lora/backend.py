@@ -4,7 +4,8 @@ A backend owns everything LoRA adds to the base model's work: which kernels comp
 whether the delta is added in place or left to the next kernel (layers/lora/deferred.py), and how rows are
 grouped by adapter. The layers hold the base weights and their tensor-parallel shards and ask the backend for
 the LoRA part; the models never see it. A new way of running LoRA (say, the expand inside the base GEMM) is one
-subclass here, registered by name, chosen with `--kernel-config '{"lora_backend": "<name>"}'`.
+subclass in a new `<name>_backend.py` module of this package, `@register`ed under its name and chosen with
+`--kernel-config '{"lora_backend": "<name>"}'`; its kernels live under kernels/.
 
 Semantics every backend computes, for each token row t of segment s of LoRABatchInfo (slot w = seg_lora_slots[s],
 rank r = ranks[w]; w = -1: no adapter):
@@ -13,6 +14,8 @@ and for a sparse MoE block, per (token, expert) pair of its routing, the same on
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
@@ -44,7 +47,7 @@ class LoRABackend(ABC):
         computes without LoRA (kernels/ops.sparse_experts)."""
 
 
-BACKENDS: dict[str, type[LoRABackend]] = {}
+BACKENDS: dict[str, type[LoRABackend]] = {}   # name -> class, filled by @register as each *_backend module loads
 
 
 def register(cls: type[LoRABackend]) -> type[LoRABackend]:
@@ -54,7 +57,7 @@ def register(cls: type[LoRABackend]) -> type[LoRABackend]:
 
 def choose_backend(name: str, device: torch.device) -> LoRABackend:
     """The backend `name` ("auto": the one made for `device`), refused by name where it cannot run."""
-    from worker.layers.lora import reference_backend, triton_backend  # noqa: F401  (each registers itself)
+    _import_backends()
     if name == "auto":
         name = "triton" if device.type == "cuda" else "reference"
     cls = BACKENDS.get(name)
@@ -64,3 +67,11 @@ def choose_backend(name: str, device: torch.device) -> LoRABackend:
     if cls.device_type != device.type:
         raise ValueError(f"the {name!r} LoRA backend runs on {cls.device_type}, not on {device.type}")
     return cls()
+
+
+def _import_backends() -> None:
+    """Import every `*_backend` module of this package, so each registers its class: a new backend is a new file."""
+    import worker.layers.lora as package
+    for module in pkgutil.iter_modules(package.__path__):
+        if module.name.endswith("_backend"):
+            importlib.import_module(f"{package.__name__}.{module.name}")
