@@ -1,6 +1,7 @@
 """Tiny Hugging Face models and PEFT adapters built in the test session (no network): the oracle."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,23 @@ def _save_adapters(model_dir: Path, adapters: tuple[FixtureAdapter, ...]) -> Non
 
 def adapter_dir(model_dir: Path, name: str) -> Path:
     return model_dir.parent / f"{model_dir.name}-{name}"
+
+
+def peft_lora(model_dir: Path, spec: FixtureAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    """The adapter `spec` as PEFT saved it beside `model_dir`, read with safetensors alone: (layer, module) ->
+    (lora_A [r, in_features], lora_B [out_features, r], scaling by PEFT's rules: alpha / r, or alpha / sqrt(r)
+    with rsLoRA, each from its pattern where the module has one)."""
+    from safetensors.torch import load_file
+    tensors = load_file(str(adapter_dir(model_dir, spec.name) / "adapter_model.safetensors"))
+    modules = {}
+    for key, a in tensors.items():     # base_model.model.model.layers.{layer}.{block}.{module}.lora_A.weight
+        if ".lora_A." in key:
+            layer, module = int(key.split(".")[4]), key.split(".")[6]
+            r = (spec.rank_pattern or {}).get(module, spec.r)
+            alpha = (spec.alpha_pattern or {}).get(module, spec.alpha)
+            modules[(layer, module)] = (a, tensors[key.replace(".lora_A.", ".lora_B.")],
+                                        alpha / math.sqrt(r) if spec.use_rslora else alpha / r)
+    return modules
 
 
 MOE_ADAPTERS = (

@@ -1,7 +1,7 @@
 """EngineInterface: what worker.__main__.Worker uses of an engine, so stand-ins can take the real one's place.
 
 worker.engine.Engine meets it by shape; bench.fast_engine.FastEngine and the gateway tests' FakeEngine
-subclass it. Imports nothing heavy: the worker process loads the engine module by name only after spawn.
+subclass it through bench.stand_in_engine.StandInEngine. Imports nothing heavy: the worker process loads the engine module by name only after spawn.
 """
 from __future__ import annotations
 

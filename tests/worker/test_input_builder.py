@@ -183,19 +183,6 @@ def test_grouped_decode_has_one_segment_per_slot_run_and_a_tile_map_of_fixed_siz
     assert builder.build(batch, pad_to=6).lora.tile_map is None      # the per-row graphs take no map
 
 
-def test_grouped_decode_tile_map_matches_the_kernels_search():
-    """host_tile_map agrees with kernels/tiles.locate_tile's answers (reference.tile_map) on segment mixes."""
-    from worker.kernels import reference
-    from worker.kernels.row_tiles_host import host_tile_map, max_tiles
-    for lens in ([1] * 5, [17, 0, 3, 40], [0, 0, 16, 16, 1], [64, 1, 65]):
-        indptr = [0]
-        for n in lens:
-            indptr.append(indptr[-1] + n)
-        num_tiles = max_tiles(indptr[-1], len(lens), 16)
-        expected = reference.tile_map(indptr, len(lens), 16, num_tiles)
-        assert host_tile_map(indptr, 16, num_tiles) == [v for tile in expected for v in tile]
-
-
 def test_a_mixed_graph_with_a_tile_map_keeps_its_segments_and_maps_their_tiles():
     """A mixed-batch graph of 32 tokens and 6 sequences: segments merged by slot and padded as without the map;
     the map (max_tiles(32, 6, 16) = 8 tiles) holds the real segments' 16-row tiles: the 14-token prefill and

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from worker.kernels import pdl
-from worker.kernels.row_tiles import CHUNK, locate_tile, max_tiles
+from worker.kernels.row_tiles import CHUNK, locate_tile
+from worker.kernels.row_tiles_host import max_tiles
 
 LOG2_E = 1.4426950408889634
 MAX_KV_SPLITS = 16

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from worker.kernels.lora_shrink import _tile_matmul
-from worker.kernels.row_tiles_host import TILE_ROWS
-from worker.kernels.row_tiles import CHUNK, group_tile, mapped_tile, max_tiles
+from worker.kernels.row_tiles import CHUNK, group_tile, mapped_tile
+from worker.kernels.row_tiles_host import TILE_ROWS, max_tiles
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from worker.kernels.row_tiles_host import TILE_ROWS
-from worker.kernels.row_tiles import CHUNK, group_tile, mapped_tile, max_tiles
+from worker.kernels.row_tiles import CHUNK, group_tile, mapped_tile
+from worker.kernels.row_tiles_host import max_tiles
 
 
 @triton.jit
@@ -128,7 +129,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, seg_
     every segment has at most one token).
     split_k > 1: in_dim is cut into split_k ranges, each program sums one, and xa is returned as float32
     partial sums [split_k, num_tokens, num_slices * R] (their sum is xa; lora_expand adds them up): more
-    programs for batches with few row tiles. tile_map: the host's map of the row tiles (tiles.host_tile_map,
+    programs for batches with few row tiles. tile_map: the host's map of the row tiles (row_tiles_host.host_tile_map,
     [>= max_tiles(num_tokens, num_segments, BLOCK_M) * 2] int32, BLOCK_M = config's) instead of a search
     per program; segments longer than one token only.
     out: optional preallocated buffer of xa's shape, returned. config: launch keywords as

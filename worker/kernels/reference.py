@@ -130,13 +130,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.to(x.dtype)
 
 
-def tile_map(indptr: list[int], num_groups: int, block: int, num_tiles: int) -> list[tuple[int, int]]:
-    """Semantics of kernels/tiles.locate_tile for tiles 0..num_tiles-1: groups [indptr[i], indptr[i+1]) cut
-    into block-row tiles, numbered group after group; (group, first row) of each tile, (-1, 0) past the last."""
-    tiles = [(i, row) for i in range(num_groups) for row in range(indptr[i], indptr[i + 1], block)]
-    return (tiles + [(-1, 0)] * num_tiles)[:num_tiles]
-
-
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics (Hugging Face's routing for Qwen2-MoE, Qwen3-MoE and Mixtral):
         probs = softmax(float32(router_logits[t]))            over the experts

@@ -3,18 +3,15 @@
 A step's token rows fall into groups given by an indptr on the device: sequences for attention, adapter
 segments for LoRA. Cut every group into BLOCK-row tiles (the last one of a group may be partial) and number
 the tiles group after group; `locate_tile` finds a tile from its number. A launch of
-`max_tiles(num_rows, num_groups, BLOCK)` programs then covers every tile whatever the group lengths (each
+`row_tiles_host.max_tiles(num_rows, num_groups, BLOCK)` programs then covers every tile whatever the group lengths (each
 group adds at most one partial tile), so the grid depends only on the row and group counts: a CUDA graph
 fixes them at capture (padding rows that belong to no group, padding groups that are empty) and one graph
 serves any mix of prefill lengths. Programs past the last tile find no group and exit.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from worker.kernels.row_tiles_host import max_tiles  # noqa: F401  (re-exported: the kernels size their grids with it)
 
 CHUNK = tl.constexpr(64)   # groups read per vector step (batches of up to 64 sequences take one); kernels read it
 
@@ -62,25 +59,9 @@ def group_tile(indptr_ptr, num_groups, tile, FLAT: tl.constexpr, BLOCK: tl.const
 @triton.jit
 def mapped_tile(tile_map_ptr, indptr_ptr, tile):
     """Semantics: group_tile's (g, first row, indptr[g + 1]) read from a tile map the host built
-    (tile_map.host_tile_map: tile_map[2 * tile], tile_map[2 * tile + 1] = g, first row; g = -1 past the
+    (row_tiles_host.host_tile_map: tile_map[2 * tile], tile_map[2 * tile + 1] = g, first row; g = -1 past the
     last tile): no search."""
     group = tl.load(tile_map_ptr + 2 * tile)
     row0 = tl.load(tile_map_ptr + 2 * tile + 1)
     end = tl.load(indptr_ptr + tl.maximum(group, 0) + 1)
     return group, row0, end
-
-
-@triton.jit(do_not_specialize=["num_groups"])
-def _tile_map_kernel(indptr_ptr, out_ptr, num_groups, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    tile = tl.program_id(0)
-    group, row0 = locate_tile(indptr_ptr, num_groups, tile, BLOCK, CHUNK)
-    tl.store(out_ptr + 2 * tile, group)
-    tl.store(out_ptr + 2 * tile + 1, row0)
-
-
-def tile_map(indptr: torch.Tensor, num_groups: int, block: int, num_tiles: int, chunk: int = CHUNK) -> torch.Tensor:
-    """[num_tiles, 2] int32: locate_tile's (group, first row) for tiles 0..num_tiles-1 (tests and tools);
-    indptr: [>= num_groups + 1] int32. Same result as reference.tile_map."""
-    out = torch.empty(num_tiles, 2, dtype=torch.int32, device=indptr.device)
-    _tile_map_kernel[(num_tiles,)](indptr, out, num_groups, BLOCK=block, CHUNK=chunk)
-    return out

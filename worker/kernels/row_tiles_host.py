@@ -16,7 +16,7 @@ def max_tiles(num_rows: int, num_groups: int, block: int) -> int:
 
 
 def host_tile_map(indptr: list[int], block: int, num_tiles: int) -> list[int]:
-    """kernels/tiles.locate_tile's answers for tiles 0..num_tiles-1, flattened [g0, row0, g1, row1, ...] ((-1, 0)
+    """kernels/row_tiles.locate_tile's answers for tiles 0..num_tiles-1, flattened [g0, row0, g1, row1, ...] ((-1, 0)
     past the last tile). indptr [0, 3, 3, 20] with block 16: groups 0 and 2 have 1 and 2 tiles ->
     [0, 0, 2, 3, 2, 19, -1, 0, ...]."""
     out = []

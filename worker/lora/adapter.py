@@ -75,28 +75,6 @@ class AdapterSource:
     experts: dict[int, ExpertLayerLoRA] = field(default_factory=dict)   # MoE layer -> its expert LoRA
 
 
-@dataclass
-class ModuleWeights:
-    """One module's LoRA matrices as tensors (tests compare the serving path against them)."""
-    a: torch.Tensor     # [rank, in_features]
-    b: torch.Tensor     # [out_features, rank]
-    scaling: float
-
-    @property
-    def rank(self) -> int:
-        return self.a.shape[0]
-
-
-@dataclass
-class AdapterWeights:
-    """A whole adapter's matrices as tensors, per (layer, module)."""
-    name: str
-    path: str
-    rank: int                                      # the largest rank over its modules
-    target_modules: tuple[str, ...]
-    modules: dict[tuple[int, str], ModuleWeights]  # (layer, module) -> weights
-
-
 def inspect_adapter(name: str, path: str | Path, targets: LoRATargets, max_lora_rank: int) -> AdapterSpec:
     """Check that a PEFT directory fits the base model's LoRA targets from its config and tensor header, reading
     no weights; raises AdapterError naming what is wrong."""
@@ -151,16 +129,6 @@ def _check_directory(name: str, path: Path, targets: LoRATargets,
         scalings[(layer, module)] = module_scaling(config, f"model.layers.{layer}.{target.path(module)}",
                                                    header[keys["A"]][1][0])
     return header, data_start, checked, scalings, experts
-
-
-def read_adapter_weights(name: str, path: str | Path, targets: LoRATargets, max_lora_rank: int,
-                         dtype: torch.dtype) -> AdapterWeights:
-    """`read_adapter` with each module's matrices as [rank, in] and [out, rank] tensors."""
-    raw = read_adapter(name, path, targets, max_lora_rank, dtype)
-    modules = {key: ModuleWeights(m.a.view(dtype).view(m.rank, m.in_features),
-                                  m.b.view(dtype).view(m.out_features, m.rank), m.scaling)
-               for key, m in raw.modules.items()}
-    return AdapterWeights(name, str(path), raw.spec.rank, raw.spec.target_modules, modules)
 
 
 def _spec(name: str, path: Path, header: dict, modules: dict, experts: dict[int, ExpertLayerLoRA],

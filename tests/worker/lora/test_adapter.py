@@ -3,17 +3,16 @@ with a message naming the field and value, and nothing is left registered."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.hf_fixtures import ADAPTERS, adapter_dir
+from tests.hf_fixtures import ADAPTERS, adapter_dir, peft_lora
 from worker.config import LoRAConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
-from worker.lora.adapter import AdapterError, read_adapter_weights
+from worker.lora.adapter import AdapterError, read_adapter
 from worker.arch import ArchConfig
 from worker.models.builder import lora_targets
 
@@ -39,15 +38,15 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize("spec", ADAPTERS, ids=lambda s: s.name)
 def test_scalings_follow_peft_rules(hf_models, spec):
     targets = lora_targets(ArchConfig.from_dir(hf_models["llama"]))
-    adapter = read_adapter_weights(spec.name, adapter_dir(hf_models["llama"], spec.name), targets, 16,
-                                   torch.float32)
-    assert set(adapter.target_modules) == set(spec.targets)
+    adapter = read_adapter(spec.name, adapter_dir(hf_models["llama"], spec.name), targets, 16, torch.float32)
+    assert set(adapter.spec.target_modules) == set(spec.targets)
+    peft = peft_lora(hf_models["llama"], spec)      # PEFT's tensors, with the scalings PEFT's rules give
+    assert adapter.modules.keys() == peft.keys()
     for (layer, target), m in adapter.modules.items():
-        r = (spec.rank_pattern or {}).get(target, spec.r)
-        alpha = (spec.alpha_pattern or {}).get(target, spec.alpha)
-        assert m.rank == r
-        assert m.scaling == pytest.approx(alpha / math.sqrt(r) if spec.use_rslora else alpha / r)
-    assert adapter.rank == spec.r
+        a, _, scaling = peft[(layer, target)]
+        assert m.rank == (spec.rank_pattern or {}).get(target, spec.r) == a.shape[0]
+        assert m.scaling == pytest.approx(scaling)
+    assert adapter.spec.rank == spec.r
 
 
 @pytest.mark.parametrize("change, message", [

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.hf_fixtures import ADAPTERS, adapter_dir
+from tests.hf_fixtures import ADAPTERS, adapter_dir, peft_lora
 from tests.worker.lora.engine_runs import make_engine
 from worker.kernels import reference
-from worker.lora.adapter import locate_adapter, read_adapter, read_adapter_weights
+from worker.lora.adapter import locate_adapter, read_adapter
 from worker.lora.slot_layout import PackedReader
 from worker.arch import ArchConfig
 from worker.models.builder import lora_targets
@@ -23,15 +23,17 @@ def test_a_packed_adapter_loads_into_its_slot_with_one_copy(llama):
     engine = make_engine(llama, max_loras=3)
     pool, arch, targets = engine.runner.lora_pool, engine.arch, engine.runner.lora_pool.layout.targets
     spec = ADAPTERS[1]     # every target, two ranks, alpha_pattern
-    adapter = read_adapter_weights(spec.name, adapter_dir(llama, spec.name), targets, 16, torch.float32)
-    packed = pool.layout.pack(read_adapter(spec.name, adapter_dir(llama, spec.name), targets, 16, torch.float32),
-                              pin=False)
+    peft = peft_lora(llama, spec)          # the reference: PEFT's tensors, PEFT's scalings
+    adapter = read_adapter(spec.name, adapter_dir(llama, spec.name), targets, 16, torch.float32)
+    packed = pool.layout.pack(adapter, pin=False)
     assert packed.shape == (pool.layout.num_bytes,)
-    pool.start_load(1, packed, adapter.rank, "key")
+    rank = adapter.spec.rank
+    assert rank == max(a.shape[0] for a, _, _ in peft.values())
+    pool.start_load(1, packed, rank, "key")
     (load,) = pool.finished_loads()
     assert (load.slot, load.key) == (1, "key") and pool.finished_loads() == []
     assert torch.equal(pool.slots[1], packed) and not pool.slots[0].any() and not pool.slots[2].any()
-    assert pool.ranks.tolist() == [0, adapter.rank, 0] and pool.ranks_host == [0, adapter.rank, 0]
+    assert pool.ranks.tolist() == [0, rank, 0] and pool.ranks_host == [0, rank, 0]
     x = torch.randn(5, max(arch.hidden_size, arch.intermediate_size), generator=torch.Generator().manual_seed(0))
     for (layer, name), w in pool.weights.items():
         xin = x[:, :w.a.shape[2]]
@@ -39,11 +41,11 @@ def test_a_packed_adapter_loads_into_its_slot_with_one_copy(llama):
         xa = reference.lora_shrink(xin, w.a, [0, 5], [1], pool.ranks_host, w.num_slices)
         reference.lora_expand(y, xa, w.b, [0, 5], [1], pool.ranks_host, w.scalings, w.slice_offsets)
         expected = torch.zeros_like(y)
-        for (m_layer, module), m in adapter.modules.items():
+        for (m_layer, module), (a, b, scaling) in peft.items():
             target, s = targets.packing(m_layer, module)
             if (m_layer, target.projection) == (layer, name):
                 lo, hi = w.slice_offsets[s], w.slice_offsets[s + 1]
-                expected[:, lo:hi] += m.scaling * (xin @ m.a.T @ m.b.T)
+                expected[:, lo:hi] += scaling * (xin @ a.T @ b.T)
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
