@@ -1,16 +1,15 @@
 """GPU micro-benchmark of the tensor-parallel all-reduce: NCCL against the one-shot sum over symmetric memory
-(worker/distributed/all_reduce.py), 2 ranks spawned with torch.multiprocessing on GPUs 0 and 1
-(MASTER_ADDR=127.0.0.1, NVLink multicast off).
+(worker/distributed/all_reduce.py, summed by kernels/one_shot_all_reduce.py), 2 ranks spawned with
+torch.multiprocessing on GPUs 0 and 1 (MASTER_ADDR=127.0.0.1, NVLink multicast off).
 
 For [rows, hidden] bf16, rows in --rows and hidden in --hidden, the time of one call (us, the slower rank's):
 - nccl_eager: dist.all_reduce launched from Python, --iters calls back to back timed with CUDA events;
 - nccl_graph: 64 all-reduces back to back (a Llama-8B decode step's) captured in one CUDA graph, --replays
   replays timed with CUDA events, divided by the calls;
-- one_shot_eager, one_shot_graph: the same through `AllReduce`, its threshold at its buffer (always one-shot);
-- triton_eager, triton_graph: the same through `AllReduce(kernel="triton")` (kernels/one_shot_all_reduce.py).
-Inputs are zeros, so sums taken in place again and again stay finite. Per hidden size and one-shot kernel, the
-crossover: the smallest message from which NCCL's graph time beats the kernel's, and `threshold_bytes`, the
-largest message below it (what the runner should give AllReduce).
+- one_shot_eager, one_shot_graph: the same through `AllReduce`, its threshold at its buffer (always one-shot).
+Inputs are zeros, so sums taken in place again and again stay finite. Per hidden size, the crossover: the smallest
+message from which NCCL's graph time beats the one-shot kernel's, and `threshold_bytes`, the largest message below
+it (what the runner should give AllReduce).
 --check first asserts that one-shot sums of random inputs equal NCCL's, eager and replayed from a graph with new
 inputs copied in: float32 within 1e-6, bf16 the same bits on both ranks and within one bf16 rounding of the
 float32 sum.
@@ -38,8 +37,7 @@ logger = logging.getLogger(__name__)
 WORLD_SIZE = 2
 GRAPH_CALLS = 64
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-VARIANTS = ("nccl_eager", "nccl_graph", "one_shot_eager", "one_shot_graph", "triton_eager", "triton_graph")
-ONE_SHOT_KERNELS = {"one_shot": "symm_mem", "triton": "triton"}   # column prefix: AllReduce's kernel
+VARIANTS = ("nccl_eager", "nccl_graph", "one_shot_eager", "one_shot_graph")
 CHECK_REPLAYS = 3
 BF16_RTOL = 2 ** -8 + 2 ** -20          # one rounding to bf16 (unit roundoff 2^-8), over a float32 reference
 
@@ -101,25 +99,23 @@ def graph_us(call: Callable[[], object], replays: int, device: torch.device) -> 
     return slowest(start.elapsed_time(end) * 1e3 / (replays * GRAPH_CALLS), device)
 
 
-def time_case(all_reduces: dict[str, AllReduce], rows: int, hidden: int, args: argparse.Namespace,
-              device: torch.device) -> dict:
-    """One row of the table; `all_reduces`: column prefix -> AllReduce (ONE_SHOT_KERNELS)."""
+def time_case(ar: AllReduce, rows: int, hidden: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """One row of the table."""
     x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
     result = {"rows": rows, "hidden": hidden, "bytes": x.numel() * x.element_size()}
     result["nccl_eager"] = eager_us(lambda: dist.all_reduce(x), args.iters, device)
     result["nccl_graph"] = graph_us(lambda: dist.all_reduce(x), args.replays, device)
-    for prefix, ar in all_reduces.items():
-        one_shot = ar.uses_one_shot(x)
-        call = functools.partial(ar, x)
-        result[f"{prefix}_eager"] = eager_us(call, args.iters, device) if one_shot else None
-        result[f"{prefix}_graph"] = graph_us(call, args.replays, device) if one_shot else None
+    one_shot = ar.uses_one_shot(x)
+    call = functools.partial(ar, x)
+    result["one_shot_eager"] = eager_us(call, args.iters, device) if one_shot else None
+    result["one_shot_graph"] = graph_us(call, args.replays, device) if one_shot else None
     return result
 
 
-def crossover(results: list[dict], hidden: int, prefix: str) -> dict:
-    """The smallest message (bytes) from which NCCL in a graph beats the `prefix` one-shot kernel in a graph (None:
-    never, over the sizes timed), and threshold_bytes, the largest message timed below it."""
-    column = f"{prefix}_graph"
+def crossover(results: list[dict], hidden: int) -> dict:
+    """The smallest message (bytes) from which NCCL in a graph beats the one-shot kernel in a graph (None: never,
+    over the sizes timed), and threshold_bytes, the largest message timed below it."""
+    column = "one_shot_graph"
     timed = sorted((r for r in results if r["hidden"] == hidden and r[column] is not None),
                    key=lambda r: r["bytes"])
     nccl_from = next((r["bytes"] for r in timed if r["nccl_graph"] < r[column]), None)
@@ -145,7 +141,7 @@ def graph_of_one_call(ar: AllReduce, x: torch.Tensor) -> tuple[torch.cuda.CUDAGr
 
 
 def check(ar: AllReduce, shapes: list[tuple[int, int]], rank: int, device: torch.device) -> None:
-    """One-shot (through `ar`'s kernel) against NCCL on random inputs, eager and from a graph replayed with new
+    """One-shot (through `ar`) against NCCL on random inputs, eager and from a graph replayed with new
     inputs (raises on a mismatch)."""
     g = torch.Generator(device).manual_seed(1 + rank)
     for dtype in (torch.float32, torch.bfloat16):
@@ -163,8 +159,7 @@ def check(ar: AllReduce, shapes: list[tuple[int, int]], rank: int, device: torch
                 dist.all_reduce(reference)
                 graph.replay()
                 assert_sum(out, reference, f"{what} graph replay {replay}")
-    logger.info("rank %d: one-shot sums (%s) equal NCCL's", rank,
-                "triton" if ar.triton_kernel is not None else "symm_mem")
+    logger.info("rank %d: one-shot sums equal NCCL's", rank)
 
 
 def run_rank(rank: int, port: int, args: argparse.Namespace) -> None:
@@ -178,21 +173,18 @@ def run_rank(rank: int, port: int, args: argparse.Namespace) -> None:
         dist.all_reduce(torch.zeros(1, device=device))           # NCCL's communicator, before any capture
         shapes = [(rows, hidden) for hidden in args.hidden for rows in args.rows]
         max_bytes = max(rows * hidden for rows, hidden in shapes) * 4     # the largest message, even in float32
-        all_reduces = {prefix: AllReduce(dist.group.WORLD, device, max_bytes=max_bytes, threshold_bytes=max_bytes,
-                                         kernel=kernel) for prefix, kernel in ONE_SHOT_KERNELS.items()}
-        for prefix, ar in all_reduces.items():
-            if ar.buffer is None:
-                logger.warning("no one-shot all-reduce (%s) here: its columns stay empty", prefix)
-            elif args.check:
-                check(ar, shapes, rank, device)
+        ar = AllReduce(dist.group.WORLD, device, max_bytes=max_bytes, threshold_bytes=max_bytes)
+        if ar.buffer is None:
+            logger.warning("no one-shot all-reduce here: its columns stay empty")
+        elif args.check:
+            check(ar, shapes, rank, device)
         results = []
         for rows, hidden in shapes:
-            results.append(time_case(all_reduces, rows, hidden, args, device))
+            results.append(time_case(ar, rows, hidden, args, device))
             payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "graph_calls": GRAPH_CALLS,
                        "results": results,
-                       "crossover": {prefix: {h: crossover(results, h, prefix) for h in args.hidden}
-                                     for prefix in ONE_SHOT_KERNELS}}
+                       "crossover": {h: crossover(results, h) for h in args.hidden}}
             if rank == 0:
                 with open(args.out, "w") as f:
                     json.dump(payload, f, indent=1)
@@ -210,10 +202,9 @@ def print_table(payload: dict) -> None:
     for r in payload["results"]:
         cells = " ".join(f"{'-' if r[v] is None else r[v]:>14}" for v in VARIANTS)
         print(f"{r['hidden']:>6} {r['rows']:>5} {r['bytes'] / 1024:>7g} {cells}")
-    for prefix, by_hidden in payload["crossover"].items():
-        for hidden, c in by_hidden.items():
-            print(f"{prefix}, hidden {hidden}: NCCL wins from {c['nccl_wins_from_bytes']} bytes; "
-                  f"threshold_bytes={c['threshold_bytes']}")
+    for hidden, c in payload["crossover"].items():
+        print(f"hidden {hidden}: NCCL wins from {c['nccl_wins_from_bytes']} bytes; "
+              f"threshold_bytes={c['threshold_bytes']}")
 
 
 def main() -> None:

@@ -145,7 +145,7 @@ for stage in $stages; do
              # TP_TESTS=0 / TP_BENCH=0 skip the tests / the all-reduce bench; TP_SIZES: the servers (default "2 1");
              # TP_CONCURRENCY: the sweep's stream counts (default "1 32"); TP_TEST_K: a pytest -k selection of the tests
              # (run with -s, so a hung test's stack dumps reach the log); TP_SERVER_ARGS: more server flags (e.g.
-             # --kernel-config {"all_reduce_kernel":"symm_mem"}, no spaces), TP_TAG: a suffix for the result files;
+             # --kernel-config {"lora_side_stream":false}, no spaces), TP_TAG: a suffix for the result files;
              # TP_RANK: the adapters' rank (default 16; the servers' --max-lora-rank follows it)
              failed=0
              if [ "${TP_TESTS:-1}" = 1 ]; then

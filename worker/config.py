@@ -131,9 +131,6 @@ class KernelConfig:
                                       # "reference" (torch, the CPU's); auto: the device's
     one_shot_all_reduce_bytes: int = 4 << 20   # tensor parallelism: all-reduces up to this size sum over NVLink
                                                # peer memory in one shot (distributed/all_reduce.py); NCCL above (0: all)
-    all_reduce_kernel: str = "triton"     # what sums those: one launch (kernels/one_shot_all_reduce.py), or
-                                          # "symm_mem", torch's op after a copy (faster from ~2 MiB: 256+ rows
-                                          # of 4096; Triton's TP=2 servers at 1 and 32 streams step 4-7% faster)
 
     def __post_init__(self):
         if self.grouped_lora_min_rows < 0 or self.lora_tile_map_max_tokens < 0:
@@ -142,8 +139,6 @@ class KernelConfig:
         if self.one_shot_all_reduce_bytes < 0:
             raise ValueError(f"one_shot_all_reduce_bytes must be >= 0 (0: NCCL for every all-reduce), got "
                              f"{self.one_shot_all_reduce_bytes}")
-        if self.all_reduce_kernel not in ("symm_mem", "triton"):
-            raise ValueError(f"all_reduce_kernel must be 'symm_mem' or 'triton', got {self.all_reduce_kernel!r}")
         if self.gemv_row_limit < 0 or self.skinny_row_limit < 0:
             raise ValueError(f"gemv_row_limit and skinny_row_limit must be >= 0 (0 turns the kernel off), got "
                              f"{self.gemv_row_limit} and {self.skinny_row_limit}")

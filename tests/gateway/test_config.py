@@ -86,7 +86,7 @@ def test_kernel_config_flag_sets_the_named_fields_and_keeps_the_rest():
     ('{"lora_side_streams": false}', "Unknown --kernel-config field(s) lora_side_streams"),
     ('{"skinny_row_limit": "16"}', "skinny_row_limit takes a int"),
     ('{"lora_side_stream": 1}', "lora_side_stream takes a bool"),
-    ('{"all_reduce_kernel": "nccl"}', "all_reduce_kernel must be 'symm_mem' or 'triton'"),
+    ('{"one_shot_all_reduce_bytes": -1}', "Invalid --kernel-config: one_shot_all_reduce_bytes must be >= 0"),
     ("[]", "non-empty JSON object")])
 def test_kernel_config_flag_refuses_bad_json_with_the_reason(capsys, value, message):
     with pytest.raises(SystemExit) as caught:

@@ -1,10 +1,10 @@
 """One-shot all-reduce in one Triton kernel: stage, signal, wait and sum over NVLink peer memory in a single launch.
 
-The alternative to PyTorch's `symm_mem::one_shot_all_reduce_out` (distributed/all_reduce.py, chosen by
-`KernelConfig.all_reduce_kernel = "triton"`), which needs a copy kernel before it and two barriers inside it.
-As vLLM's custom all-reduce does, every rank writes its input into its own buffer, tells each peer so with a flag
-holding the call's number (its epoch), waits for the peers' flags, then reads every rank's buffer and sums in rank
-order. Epochs only grow, so no flag is ever reset, and buffers alternate between two halves, so no barrier is
+What distributed/all_reduce.py's `AllReduce` sums its one-shot messages with (PyTorch's own one-shot op, a copy
+kernel then two barriers inside its kernel, made TP=2 serving steps 4-7% slower; BENCHMARKS.md). As vLLM's
+custom all-reduce does, every rank writes its input into its own buffer, tells each peer so with a flag holding
+the call's number (its epoch), waits for the peers' flags, then reads every rank's buffer and sums in rank order.
+Epochs only grow, so no flag is ever reset, and buffers alternate between two halves, so no barrier is
 needed on the way out.
 
 Memory: each rank's buffer is symmetric memory (PyTorch's allocation and rendezvous, distributed/all_reduce.py),

@@ -84,8 +84,7 @@ def main(fd: int) -> None:
         device = torch.device("cuda", start.rank)
     else:
         device = torch.device("cpu")
-    tp = join_group(start.rank, start.world_size, start.init_method, device, config.kernels.one_shot_all_reduce_bytes,
-                    config.kernels.all_reduce_kernel)
+    tp = join_group(start.rank, start.world_size, start.init_method, device, config.kernels.one_shot_all_reduce_bytes)
     arch = ArchConfig.from_dir(config.model.path)
     runner = ModelRunner(config, arch, device, start.dtype, start.max_model_len, tp=tp)
     adapters = AdapterManager(config.lora, runner.lora_pool, runner.model)   # its host cache sized as rank 0's

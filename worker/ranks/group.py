@@ -53,16 +53,15 @@ class FollowerStart:
 
 
 def join_group(rank: int, world_size: int, init_method: str, device: torch.device,
-               one_shot_bytes: int, all_reduce_kernel: str = "triton") -> TensorParallel:
+               one_shot_bytes: int) -> TensorParallel:
     """Join the process group and, on GPUs, attach the one-shot all-reduce for messages up to `one_shot_bytes`
-    (distributed/all_reduce.py; 0: NCCL for all), summed by `all_reduce_kernel` (KernelConfig's); every rank
-    calls this with the same arguments but its rank."""
+    (distributed/all_reduce.py; 0: NCCL for all); every rank calls this with the same arguments but its rank."""
     tp = init_tensor_parallel(rank, world_size, "nccl" if device.type == "cuda" else "gloo", init_method)
     if device.type != "cuda" or world_size == 1 or one_shot_bytes == 0:
         return tp
     tp.min_over_ranks(0)            # NCCL's communicator is made by a first collective, outside any graph capture
     from worker.distributed.all_reduce import AllReduce
-    all_reduce = AllReduce(tp.group, device, one_shot_bytes, one_shot_bytes, all_reduce_kernel)
+    all_reduce = AllReduce(tp.group, device, one_shot_bytes, one_shot_bytes)
     return dataclasses.replace(tp, fast_all_reduce=all_reduce)
 
 
@@ -93,8 +92,7 @@ class FollowerRanks:
             self._spawn(rank, start)
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
-        self.tp = join_group(0, world_size, init_method, device, config.kernels.one_shot_all_reduce_bytes,
-                             config.kernels.all_reduce_kernel)
+        self.tp = join_group(0, world_size, init_method, device, config.kernels.one_shot_all_reduce_bytes)
         self._steps = StepEncoder()
         atexit.register(self.close)
 

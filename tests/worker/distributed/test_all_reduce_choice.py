@@ -1,6 +1,6 @@
 """The host side of the tensor-parallel all-reduce, on the CPU: which messages take the one-shot path
-(worker/distributed/all_reduce.py), which one-shot kernels KernelConfig and AllReduce accept, that nothing
-CUDA-only is imported with it (nor by joining a gloo group with the Triton kernel chosen), and that
+(worker/distributed/all_reduce.py), that KernelConfig names no one-shot kernel to choose, that nothing CUDA-only
+is imported with it (nor by joining a gloo group), and that
 `TensorParallel.all_reduce` is unchanged at world size 1 and over gloo (2 ranks spawned with torch.multiprocessing,
 MASTER_ADDR=127.0.0.1) unless a fast all-reduce is attached, whose result it then returns."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from tests.worker.distributed.tp_ranks import free_port
 from worker.config import KernelConfig
-from worker.distributed.all_reduce import KERNELS, AllReduce, one_shot_fits
+from worker.distributed.all_reduce import AllReduce, one_shot_fits
 from worker.distributed.tensor_parallel import SINGLE, init_tensor_parallel
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -31,8 +31,10 @@ MiB = 1 << 20
     (128 * 4096 * 2 + 4, torch.bfloat16, MiB, False),   # one vector past it
     (512 * 8192 * 2, torch.bfloat16, 4 * MiB, False),
     (256 * 4096 * 4, torch.float32, 4 * MiB, True),
-    (4096 * 2, torch.float16, MiB, False),              # the kernel sums bf16 and float32 only
+    (4096 * 2, torch.float16, MiB, False),              # one-shot for the dtypes run on two GPUs: bf16, float32
     (4095 * 2, torch.bfloat16, MiB, False),             # not a whole number of 4-byte vectors
+    (4096 * 8, torch.float64, MiB, False),              # a float32 sum would round it: NCCL
+    (4096 * 4, torch.int32, MiB, False),
     (0, torch.bfloat16, MiB, False),
     (4096 * 2, torch.bfloat16, 0, False),               # threshold 0: every message through NCCL
 ])
@@ -45,23 +47,18 @@ def test_all_reduce_refuses_a_cpu_device():
         AllReduce(None, torch.device("cpu"))
 
 
-def test_all_reduce_kernel_defaults_to_triton_and_accepts_only_the_known_ones():
-    assert KernelConfig().all_reduce_kernel == "triton"
-    assert [KernelConfig(all_reduce_kernel=k).all_reduce_kernel for k in KERNELS] == ["symm_mem", "triton"]
-    with pytest.raises(ValueError, match="all_reduce_kernel must be 'symm_mem' or 'triton', got 'nccl'"):
-        KernelConfig(all_reduce_kernel="nccl")
+def test_the_one_shot_kernel_is_not_a_choice():
+    """One kernel sums one-shot messages (kernels/one_shot_all_reduce.py); KernelConfig sets only the size."""
+    assert [f.name for f in dataclasses.fields(KernelConfig) if "all_reduce" in f.name] == ["one_shot_all_reduce_bytes"]
+    with pytest.raises(TypeError):
+        AllReduce(None, torch.device("cuda", 0), kernel="triton")
 
 
-def test_all_reduce_refuses_an_unknown_kernel_before_touching_the_group():
-    with pytest.raises(ValueError, match="unknown all-reduce kernel 'custom'; choose one of symm_mem, triton"):
-        AllReduce(None, torch.device("cuda", 0), kernel="custom")
-
-
-def test_joining_a_gloo_group_with_the_triton_kernel_imports_no_triton():
+def test_joining_a_gloo_group_imports_no_triton():
     """Both ranks of a CPU group, each a fresh interpreter: join_group returns the plain group (no fast
     all-reduce) and neither Triton nor symmetric memory is imported."""
     code = ("import sys, torch; from worker.ranks.group import join_group; "
-            "tp = join_group({rank}, 2, 'tcp://127.0.0.1:{port}', torch.device('cpu'), 4 << 20, 'triton'); "
+            "tp = join_group({rank}, 2, 'tcp://127.0.0.1:{port}', torch.device('cpu'), 4 << 20); "
             "assert tp.fast_all_reduce is None; torch.distributed.destroy_process_group(); "
             "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', "
             "'torch.distributed._symmetric_memory'))))")
