@@ -253,9 +253,10 @@ def test_streamed_named_call_starts_with_its_name_then_streams_the_output():
 
 
 @asynccontextmanager
-async def serve(script_text: str, tokenizer: Tokenizer = TOKENIZER, chunk: int = 3, **config):
+async def serve(script_text: str, tokenizer: Tokenizer = TOKENIZER, chunk: int = 3, max_model_len: int = 4096,
+                **config):
     client = FakeWorkerClient(lambda request: TOKENIZER.encode(script_text, add_special_tokens=False) + [2],
-                              max_model_len=4096, chunk=chunk)
+                              max_model_len=max_model_len, chunk=chunk)
     app = build_app(GatewayConfig(WorkerConfig(ModelConfig(MODEL_DIR)), served_model_names=(BASE,), **config), client,
                     tokenizer)
     async with app.router.lifespan_context(app):
