@@ -3,9 +3,9 @@ body, JSON held in a request's string field, tool-call JSON the model writes), a
 lone surrogate.
 
 Deep nesting is refused by its depth, counted before parsing, not by catching RecursionError: whether a parser
-recurses out depends on how deep the stack already is, and a value that parses at 900 levels still breaks the
-chat template, the response encoder or the worker's grammar compiler later on. MAX_JSON_DEPTH is the limit
-pydantic (so vLLM) puts on JSON it parses.
+recurses out depends on how deep the stack already is, and a value that parses at 900 levels may still recurse out
+later, in the chat template's tojson, an encoder or the worker's grammar compiler. MAX_JSON_DEPTH is far beyond
+any real schema or arguments, and far within what each of those holds.
 """
 from __future__ import annotations
 
