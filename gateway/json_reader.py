@@ -6,18 +6,7 @@ import json
 import re
 from typing import Any
 
-
-def json_or(text: str, default: Any) -> Any:
-    """json.loads(text), or `default` when text is not JSON."""
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        return default
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
+from gateway.json_text import MAX_JSON_DEPTH, escape_surrogates, json_or
 
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _BARE = frozenset("+-.0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -30,8 +19,9 @@ class JsonReader:
     events, each with the path (keys and array positions) of the value it belongs to: ("text", path, piece) for the
     value's text as json.dumps writes it (separators ", " and ": ", a number or literal once it ends: json.dumps of
     json.loads of it), ("string", path, value) when a string value ends, ("end", path, None) when any value ends.
-    A container's own brackets, keys and separators belong to the container's path. After an error it reads no
-    more (`error`)."""
+    A container's own brackets, keys and separators belong to the container's path. A lone surrogate escape stays
+    an escape in the text (UTF-8 cannot hold it); nesting past MAX_JSON_DEPTH is an error. After an error it reads
+    no more (`error`)."""
 
     def __init__(self) -> None:
         self.error = False
@@ -85,6 +75,9 @@ class JsonReader:
             if c == "]" and state == "value_or_end":
                 return self._close(events)
             if c in "{[":
+                if len(self._frames) == MAX_JSON_DEPTH:
+                    self.error = True
+                    return
                 events.append(("text", self._path(), c))
                 self._frames.append([c, "key_or_end" if c == "{" else "value_or_end", None if c == "{" else 0])
             elif c == '"':
@@ -167,7 +160,7 @@ class JsonReader:
 
     def _emit_string(self, chars: str, events: list) -> None:
         path = self._path() if self._string == "value" else self._path(-1)
-        events.append(("text", path, json.dumps(chars, ensure_ascii=False)[1:-1]))
+        events.append(("text", path, escape_surrogates(json.dumps(chars, ensure_ascii=False)[1:-1])))
 
     def _end_string(self, events: list) -> None:
         self._flush_high(events)

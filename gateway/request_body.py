@@ -12,6 +12,7 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from gateway.api_error import APIError
+from gateway.json_text import too_deep
 from gateway.request_validation import decode_body
 
 T = TypeVar("T")
@@ -50,10 +51,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, type_: type[T], limit: int) -> T:
-    """The body as `type_`: content type checked, size limited, decoded and validated
-    (request_validation.decode_body)."""
+    """The body as `type_`: content type checked, size limited, nesting bounded, decoded and validated
+    (request_validation.decode_body); nesting deeper than json_text.MAX_JSON_DEPTH is refused as decoding refuses
+    a depth it cannot hold."""
     check_content_type(request)
-    return decode_body(await read_body(request, limit), type_)
+    raw = await read_body(request, limit)
+    if too_deep(raw):
+        raise APIError("JSON decode error: the body is nested too deeply.")
+    return decode_body(raw, type_)
 
 
 def _too_large(limit: int) -> APIError:

@@ -10,6 +10,7 @@ import msgspec
 
 from gateway.api_error import APIError, check
 from gateway.generation_request import GenerationRequest
+from gateway.json_text import parse_json_field
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
@@ -143,10 +144,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     if not arguments:
         function["arguments"] = {}
     elif isinstance(arguments, str):
-        try:
-            function["arguments"] = msgspec.json.decode(arguments)
-        except msgspec.DecodeError:
-            raise APIError(f"Invalid JSON in the arguments of a tool call: {arguments!r}", param="messages") from None
+        function["arguments"] = parse_json_field(arguments, "Invalid JSON in the arguments of a tool call", "messages")
     return {**call, "function": function}
 
 

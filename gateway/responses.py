@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-import msgspec
 from starlette.responses import Response
 
 from gateway.api_error import APIError
+from gateway.json_text import encode
 from gateway.serving import ServingContext
 from gateway.tokenizer import Delta, Tokenizer
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:
-    return Response(msgspec.json.encode(content), status_code, media_type="application/json")
+    return Response(encode(content), status_code, media_type="application/json")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:

@@ -17,25 +17,24 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import anyio
-import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.api_error import APIError
+from gateway.json_text import encode
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 _END = object()
-_encode = msgspec.json.Encoder().encode
 # What sse-starlette sent, which clients and proxies have seen from this server: no caching, no buffering.
 SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
 
 
 def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + _encode(payload) + b"\n\n"
+    return b"data: " + encode(payload) + b"\n\n"
 
 
 def sse_response(chunks: AsyncIterator[dict[str, Any]]) -> EventStreamResponse:

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, TypeVar
 import msgspec
 
 from gateway.api_error import APIError
+from gateway.json_text import parse_json_field
 from gateway.responses import raise_if_failed
 from worker.ipc.messages import StructuredOutput
 
@@ -71,10 +72,7 @@ def _spec(kind: str, value: Any) -> str:
         return ""
     if kind == "json":
         if isinstance(value, str):
-            try:
-                value = msgspec.json.decode(value)
-            except msgspec.DecodeError as e:
-                raise APIError(f"Invalid JSON schema: {e}", param="structured_outputs") from None
+            value = parse_json_field(value, "Invalid JSON schema", "structured_outputs")
         _check(isinstance(value, (dict, bool)), "Invalid JSON schema: a schema must be a JSON object.",
                "structured_outputs")
         return msgspec.json.encode(value).decode()

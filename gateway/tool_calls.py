@@ -1,28 +1,28 @@
 """Tool calling as vLLM serves it: `tool_choice` checked, the JSON-schema constraint that makes "required" and a
 named tool always give a valid call, and the Hermes/Qwen parser of `<tool_call>{json}</tool_call>` blocks for
-"auto", over a whole output and over a stream.
+"auto". One parser reads a stream and a whole output (`ToolChoice.parse` streams the whole text through it), so a
+response's calls, content and finish reason are the same however its text arrives.
 
     tool_choice   constraint                              message                               finish_reason
     none          -                                       content                               the worker's
-    auto          - (parser: --tool-call-parser hermes)   content before the blocks, tool_calls  "tool_calls" if any
+    auto          - (parser: --tool-call-parser hermes)   text outside the blocks, tool_calls   "tool_calls" if any
     required      array of {name: enum, parameters}       content "", one call per item          the worker's
     named         that tool's parameters                  content "", the output as arguments    the worker's
 """
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api_error import APIError
-from gateway.json_reader import JsonReader, dumps, json_or
+from gateway.json_reader import JsonReader
+from gateway.json_text import has_surrogate
 from worker.ipc.messages import StructuredOutput
 
 PARSERS = ("hermes",)
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-_BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)   # the last may be unclosed
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -97,14 +97,20 @@ class ToolChoice:
         return StructuredOutput("json", json.dumps(schema, separators=(",", ":")))
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a whole output."""
-        if self.mode == "named":
-            return "", [ToolCall(self.name, text)]
-        if self.mode == "required":
-            return "", [ToolCall(c["name"], dumps(c["parameters"])) for c in json_or(text, [])]
-        if self.mode == "auto":
-            return parse_hermes(text)
-        return text, []
+        """(content, tool calls) of a whole output: what its stream gives, the deltas joined. Content is None when
+        "auto" found calls and no text outside them, as vLLM answers it."""
+        stream = self.stream()
+        content, deltas = stream.feed(text)
+        more_content, more_deltas = stream.finish()
+        content += more_content
+        calls: list[list[str]] = []                        # [id, name, arguments] by index
+        for delta in deltas + more_deltas:
+            if delta["index"] == len(calls):
+                calls.append([delta["id"], delta["function"]["name"], ""])
+            calls[delta["index"]][2] += delta["function"]["arguments"]
+        if self.mode == "auto" and calls:
+            content = content or None
+        return content, [ToolCall(name, arguments, id) for id, name, arguments in calls]
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
@@ -114,29 +120,19 @@ class ToolChoice:
         return tool["function"].get("parameters") or EMPTY_PARAMETERS
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Hermes/Qwen blocks: `<tool_call>{"name": .., "arguments": {..}}</tool_call>`, the text before the first
-    block as content. An output whose blocks do not all parse is all content, as vLLM answers it."""
-    if TOOL_CALL_START not in text:
-        return text, []
-    calls = []
-    for closed, unclosed in _BLOCKS.findall(text):
-        call = json_or(closed or unclosed, None)
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
-        calls.append(ToolCall(call["name"], dumps(call.get("arguments", {}))))
-    content = text[:text.index(TOOL_CALL_START)]
-    return content or None, calls
-
-
 class ToolCallStream:
     """A streamed output's tool calls as OpenAI and vLLM stream them: `feed(text)` and `finish()` give (content, tool
     call deltas). A call's first delta carries its index, id, type and name with arguments ""; later deltas of that
     index carry pieces of its arguments as they are generated, which concatenate to the arguments of the whole
-    output's call (`ToolChoice.parse`): the named tool's output as it comes; for "required" and Hermes blocks, the
-    JSON read so far written as json.dumps writes it (a number or literal once it ends). Hermes text outside the
-    blocks is content; a block whose JSON breaks before its name is read goes out as content, as the whole-output
-    parser answers it (one that breaks after its name cannot be taken back, and stops there, as in vLLM)."""
+    output's call: the named tool's output as it comes; for "required" and Hermes blocks, the JSON read so far
+    written as json.dumps writes it (a number or literal once it ends, a lone surrogate as its escape).
+
+    What it decides, as vLLM's streaming Hermes parser does (its whole-output parser differs: it makes an output
+    with one bad block all content, drops text after the first block and takes the last of two "name" keys, which
+    a stream could not take back): text outside the blocks is content, wherever it is; each block that gives a call
+    is a call, one that breaks before its name is read (not JSON, not an object, nested past MAX_JSON_DEPTH, a name
+    that is not a string or holds a lone surrogate) is content; the first string "name" and the first "arguments"
+    count; a block that breaks after its name is read keeps what was read and stops there."""
 
     def __init__(self, choice: ToolChoice):
         self.choice = choice
@@ -209,7 +205,7 @@ class ToolCallStream:
                   deltas: list[dict[str, Any]]) -> None:
         """One event of a call's JSON (path relative to the call object): its name starts the call, the text of its
         `key` value goes out as arguments (held until the name is known), its end gives "{}" if it had none."""
-        if kind == "string" and path == ("name",) and call.name is None:
+        if kind == "string" and path == ("name",) and call.name is None and not has_surrogate(value):
             call.name = value
             deltas.append(self._start(call))
             if call.pending:

@@ -16,6 +16,9 @@ HI = [{"role": "user", "content": "hi"}]
 TOO_LONG_FOR_OUTPUT = ("'max_tokens' or 'max_completion_tokens' is too large: 100. This model's maximum context "
                        "length is 2048 tokens and your request has 2000 input tokens (100 > 2048 - 2000).")
 STREAM_OPTIONS = "Stream options can only be defined when `stream=True`."
+DEEP_ARRAYS, DEEP_OBJECTS = "[" * 1000 + "]" * 1000, '{"a": ' * 2000 + "1" + "}" * 2000
+DEEP_ARGUMENTS = [*HI, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "1", "type": "function", "function": {"name": "f", "arguments": DEEP_ARRAYS}}]}]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,19 @@ CASES = {
                          "Object missing required field `role`..."),
     "content-type": case(CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
                          "Expected `str..."),
+    "tool-arguments-too-deep": case(CHAT, {"messages": DEEP_ARGUMENTS}, "messages",
+                                    "Invalid JSON in the arguments of a tool call: nested more than 200 levels deep."),
+    "guided-json-too-deep": case(COMPLETIONS, {"prompt": "x", "guided_json": DEEP_OBJECTS}, "structured_outputs",
+                                 "Invalid JSON schema: nested more than 200 levels deep."),
+    "structured-json-too-deep-stream": case(CHAT, {"messages": HI, "structured_outputs": {"json": DEEP_ARRAYS},
+                                                   "stream": True}, "structured_outputs",
+                                            "Invalid JSON schema: nested more than 200 levels deep."),
+    "json-schema-string-too-deep": case(CHAT, {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": DEEP_OBJECTS}}}, "structured_outputs",
+        "Invalid JSON schema: nested more than 200 levels deep."),
+    "body-too-deep": case(CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                                b'"function": {"name": "f", "parameters": ' + b'{"a": ' * 900 + b"1" + b"}" * 900
+                                + b"}}]}", None, "JSON decode error: the body is nested too deeply."),
     "completion-unknown-model": case(COMPLETIONS, {"model": "nope", "prompt": "x"}, "model",
                                      "The model `nope` does not exist.", 404),
     "completion-unknown-model-stream": case(COMPLETIONS, {"model": "nope", "prompt": "x", "stream": True}, "model",

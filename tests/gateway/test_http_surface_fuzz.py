@@ -35,7 +35,14 @@ POST_ROUTES = {
     "/v1/unload_lora_adapter": ({"lora_name": ADAPTER}, UnloadLoRAAdapterRequest),
 }
 GET_ROUTES = ["/v1/models", "/v1/models/{}", "/v1/adapters", "/v1/adapters/{}", "/health", "/version", "/metrics"]
-EDGE_VALUES = [-1, 2 ** 64, 10 ** 30, "__1e999__", 1e308, "", "\x00", "a" * 300, "found", [], {}, None, True,
+# JSON nested past the gateway's bound, held in strings: alone (guided_json) and where a request holds JSON in a
+# string (structured_outputs.json, a json_schema's schema, an assistant's tool-call arguments).
+DEEP_JSON = ["[" * 1000 + "]" * 1000, '{"a": ' * 2000 + "1" + "}" * 2000]
+DEEP_JSON_FIELDS = [*DEEP_JSON, {"json": DEEP_JSON[1]},
+                    {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP_JSON[0]}},
+                    [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                           "function": {"name": "f", "arguments": DEEP_JSON[0]}}]}]]
+EDGE_VALUES = [*DEEP_JSON_FIELDS, -1, 2 ** 64, 10 ** 30, "__1e999__", 1e308, "", "\x00", "a" * 300, "found", [], {}, None, True,
                [[1, 2], []], [-5], {"type": "json_object"}, [{"role": "user", "content": [{"type": "image"}]}],
                {"include_usage": True}]
 CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "APPLICATION/JSON", "text/plain",
@@ -43,6 +50,10 @@ CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "A
 AUTHORIZATION = [None, "Bearer secret", "Bearer wrong", "secret", "Bearer "]
 # Known bad bodies, sent to every POST route on top of the generated cases.
 RAW_EXAMPLES = [b"[" * 5000 + b"]" * 5000, b'{"prompt": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}",
+                b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+                b'{"name": "f", "parameters": ' + b'{"a": ' * 900 + b"1" + b"}" * 900 + b"}}]}",   # decodable, too deep
+                b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "guided_json": "'
+                + b"[" * 2000 + b'"}',
                 b'{"model": "base", "prompt": "\xff\xfe"}', b'{"prompt": [1, 1e999]}', b'{"top_k": 1e999}',
                 b'{"lora_name": "x", "lora_path": "LORA_DIR/\\u0000", "model": "a\\u0000b", "tokens": [1]}',
                 b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "top_k": 100000000000000000000000,'

@@ -16,7 +16,7 @@ from gateway.api_error import APIError
 from gateway.app import build_app
 from gateway.config import GatewayConfig
 from gateway.tokenizer import Tokenizer
-from gateway.tool_calls import AUTO_NEEDS_FLAGS, ToolChoice, parse_hermes
+from gateway.tool_calls import AUTO_NEEDS_FLAGS, ToolChoice
 from worker.config import ModelConfig, WorkerConfig
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -30,6 +30,10 @@ SCRIPT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
 
 def choice(tool_choice, tools=TOOLS, parallel=True, auto=True) -> ToolChoice:
     return ToolChoice.from_request(tools, tool_choice, parallel, auto)
+
+
+def parse_hermes(text: str):
+    return choice("auto").parse(text)
 
 
 @pytest.mark.parametrize("tool_choice, tools, auto, message", [
@@ -74,9 +78,9 @@ def test_required_is_an_array_of_calls_of_the_tools(parallel):
     assert names == [["get_weather"], ["get_time"]]
 
 
-def test_hermes_parses_blocks_and_keeps_the_text_before_them():
+def test_hermes_parses_blocks_and_keeps_the_text_outside_them():
     content, calls = parse_hermes(SCRIPT)
-    assert content == "Let me check. "
+    assert content == "Let me check. \n"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("chatcmpl-tool-") for c in calls)
 
@@ -249,9 +253,10 @@ def test_streamed_named_call_starts_with_its_name_then_streams_the_output():
 
 
 @asynccontextmanager
-async def serve(script_text: str, tokenizer: Tokenizer = TOKENIZER, chunk: int = 3, **config):
+async def serve(script_text: str, tokenizer: Tokenizer = TOKENIZER, chunk: int = 3, max_model_len: int = 4096,
+                **config):
     client = FakeWorkerClient(lambda request: TOKENIZER.encode(script_text, add_special_tokens=False) + [2],
-                              max_model_len=4096, chunk=chunk)
+                              max_model_len=max_model_len, chunk=chunk)
     app = build_app(GatewayConfig(WorkerConfig(ModelConfig(MODEL_DIR)), served_model_names=(BASE,), **config), client,
                     tokenizer)
     async with app.router.lifespan_context(app):
@@ -268,7 +273,7 @@ async def test_auto_tool_calls_in_a_whole_message():
     assert response.status_code == 200, response.text
     result = response.json()["choices"][0]
     assert result["finish_reason"] == "tool_calls"
-    assert result["message"]["content"] == "Let me check. "
+    assert result["message"]["content"] == "Let me check. \n"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result["message"]["tool_calls"]] \
         == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert client.requests[0].params.structured is None
@@ -297,6 +302,7 @@ async def test_auto_tool_calls_streamed_as_openai_streams_them(script, content, 
     assert calls_of(stream_deltas(chunks)) == [(c["function"]["name"], c["function"]["arguments"])
                                                for c in whole["message"]["tool_calls"]]
     assert "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"]) == content
+    assert whole["message"]["content"] == content
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" == whole["finish_reason"]
     assert chunks[-1]["usage"]["completion_tokens"] == answer["usage"]["completion_tokens"]
 
