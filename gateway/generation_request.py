@@ -14,6 +14,7 @@ from worker.ipc.messages import SamplingParams, StructuredOutput
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128   # choices per prompt; a guard against one request fanning out without bound
+MAX_CHOICES = 2048   # choices (prompts x n) of one completions request: OpenAI's cap on a batch of prompts
 LOGIT_BIAS_LIMIT = 100.0   # vLLM clamps each bias to [-100, 100]
 
 
@@ -59,6 +60,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.n is None:
             self.n = 1
+        if self.allowed_token_ids is not None:    # deduplicated once: every choice's copy crosses to the worker
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
     @property
     def stop_strings(self) -> list[str]:
