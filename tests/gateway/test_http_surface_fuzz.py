@@ -55,7 +55,7 @@ RAW_EXAMPLES = [b"[" * 5000 + b"]" * 5000, b'{"prompt": ' + b'{"a": ' * 5000 + b
                      "temperature": 1, "allowed_token_ids": [300] * 100_000, "stop_token_ids": [7] * 50_000,
                      "min_tokens": 5},
                     {"model": "base", "prompt": [list(range(200))] * 40, "messages": CHAT, "max_tokens": 2,
-                     "bad_words": ["ab", "c d"] * 2000, "stop": [f"zz{i}" for i in range(3000)],
+                     "bad_words": ["ab", "c d"] * 2000, "stop": [f"zz{i}" for i in range(2000)],
                      "logit_bias": {str(t): 1 for t in range(320)}, "repetition_penalty": 1.2}])]
 GOOD_HEADERS = {"Authorization": "Bearer secret", "Content-Type": "application/json"}
 

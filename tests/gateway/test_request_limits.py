@@ -1,12 +1,12 @@
 """Limits on what one request may make the server do: a completions request creates at most MAX_CHOICES choices
-(prompts x n), refused with 400 before anything is queued; a request's allowed_token_ids cross to the worker once
-each, however often the client repeated them."""
+(prompts x n) and a request's stop strings total at most MAX_STOP_CHARS characters, both refused with 400 before
+anything is queued; a request's allowed_token_ids cross to the worker once each, however often repeated."""
 import asyncio
 
 import pytest
 
 from fake_worker_client import FakeWorkerClient
-from gateway.generation_request import MAX_CHOICES, MAX_N
+from gateway.generation_request import MAX_CHOICES, MAX_N, MAX_STOP_CHARS
 from gateway_app import BASE, error_of, serve
 
 
@@ -46,3 +46,22 @@ def test_allowed_token_ids_reach_the_worker_once_each_in_first_seen_order():
     response, sent = _post(body)
     assert response.status_code == 200, response.text[:300]
     assert len(sent) == 16 and all(r.params.allowed_token_ids == [300, 7, 9] for r in sent)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("extra", [0, 1])
+def test_stop_strings_past_max_stop_chars_are_a_400_before_anything_is_queued(route, extra):
+    stops = ["abcd"] * (MAX_STOP_CHARS // 4 - 1) + ["x" * (4 + extra)]
+    body = {"model": BASE, "max_tokens": 1, "stop": stops,
+            **({"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
+
+    async def go():
+        async with serve(FakeWorkerClient(lambda request: [5])) as (http, client, _):
+            return await http.post(route, json=body), client.requests
+    response, sent = asyncio.run(go())
+    if not extra:
+        assert response.status_code == 200 and len(sent) == 1, response.text[:300]
+        return
+    assert error_of(response) == (400, f"stop strings may total at most {MAX_STOP_CHARS} characters, got "
+                                       f"{MAX_STOP_CHARS + 1}.", "stop")
+    assert sent == []
