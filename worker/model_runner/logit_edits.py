@@ -31,7 +31,8 @@ class BadWords:
             known[prefix[:-1]].extend((prefix[-1], last) for last in sorted(banned))
         self.prefix_lengths = sorted({len(p) for p in lasts})
         self.by_prefix = {p: _ids(banned, device) for p, banned in lasts.items()}       # prefix -> [k] int64
-        self.by_known = {p: torch.tensor(pairs, dtype=torch.int64).T.to(device)         # -> [2, k]: expected, banned
+        # prefix without its last token -> [2, k]: (the pending id expected, the id banned if it is)
+        self.by_known = {p: torch.tensor(list(zip(*pairs)), dtype=torch.int64).to(device, non_blocking=True)
                          for p, pairs in known.items()}
 
     def bans(self, output: list[int], num_pending: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -58,7 +59,7 @@ class PenaltyCounts:
     def __init__(self, prompt_token_ids: list[int], vocab_size: int, device: torch.device):
         self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)        # [V]
         if prompt_token_ids:
-            self.prompt_seen[_ids(set(prompt_token_ids), device)] = True
+            self.prompt_seen.index_fill_(0, _ids(set(prompt_token_ids), device), True)
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)   # [V]
         self._num_counted = 0
 
@@ -80,7 +81,7 @@ class LogitEdits:
         self.allowed = None                        # [V] bool: the tokens allowed_token_ids keeps
         if params.allowed_token_ids is not None:
             self.allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self.allowed[_ids(set(params.allowed_token_ids), device)] = True
+            self.allowed.index_fill_(0, _ids(set(params.allowed_token_ids), device), True)
         self.bias = None                           # ([k] int64 ids, [k] float32 biases), each id once
         if params.logit_bias:
             ids, biases = zip(*params.logit_bias.items())

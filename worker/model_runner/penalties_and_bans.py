@@ -113,7 +113,7 @@ def ban_bad_words(logits: torch.Tensor, rows: list[SamplingRow], edits: list[Log
             outright += [(i, t) for t in ids]
             conditional += [(i, p) for p in pairs]
     if outright:
-        logits = logits.index_put(row_pairs(outright, logits.device), torch.tensor(float("-inf"), device=logits.device))
+        logits = logits.index_put(row_pairs(outright, logits.device), logits.new_full((), float("-inf")))
     if conditional and prev_tokens is not None:
         row_idx, _ = row_pairs([(i, p[0]) for i, p in conditional], logits.device)
         expected, token_idx = torch.cat([p for _, p in conditional], dim=1)
@@ -133,7 +133,7 @@ def mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], edits: list[
              if r.num_generated < r.params.min_tokens and e.early_stops is not None]
     if not early:
         return logits
-    return logits.index_put(row_pairs(early, logits.device), torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put(row_pairs(early, logits.device), logits.new_full((), float("-inf")))
 
 
 def row_pairs(per_row: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
