@@ -222,7 +222,7 @@ def test_adapter_mix_changes_between_replays_without_recapture(hf_models):
     assert second == alone
 
 
-LISTS = dict(allowed_token_ids=list(range(1000)) * 3, bad_words_token_ids=[[5, 6], [7], [8, 9, 10]],
+LISTS = dict(allowed_token_ids=list(range(300)) * 3, bad_words_token_ids=[[5, 6], [7], [8, 9, 10]],
              logit_bias={3: 2.0, 4: -1.0}, min_tokens=4, stop_token_ids=[11, 12])
 
 
