@@ -14,6 +14,8 @@ from worker.ipc.messages import SamplingParams, StructuredOutput
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_N = 128   # choices per prompt; a guard against one request fanning out without bound
+MAX_CHOICES = 2048   # choices (prompts x n) of one completions request: OpenAI's cap on a batch of prompts
+MAX_STOP_CHARS = 16384   # characters of all stop strings: bounds the one-off build of their matcher (stop_strings.py)
 LOGIT_BIAS_LIMIT = 100.0   # vLLM clamps each bias to [-100, 100]
 
 
@@ -59,6 +61,8 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.n is None:
             self.n = 1
+        if self.allowed_token_ids is not None:    # deduplicated once: every choice's copy crosses to the worker
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
     @property
     def stop_strings(self) -> list[str]:
@@ -126,6 +130,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         if self.seed is not None:
             check(INT64_MIN <= self.seed <= INT64_MAX, f"seed must be a 64-bit integer, got {self.seed}.", "seed")
         check(all(self.stop_strings), "stop cannot contain an empty string.", "stop")
+        stop_chars = sum(map(len, self.stop_strings))
+        check(stop_chars <= MAX_STOP_CHARS,
+              f"stop strings may total at most {MAX_STOP_CHARS} characters, got {stop_chars}.", "stop")
         check(all(INT64_MIN <= t <= INT64_MAX for t in self.allowed_token_ids or []),
               "allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
         check(temperature > 0.0 or self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.", "n")

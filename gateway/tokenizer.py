@@ -19,6 +19,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.api_error import APIError
+from gateway.stop_strings import StopStrings
 from worker.ipc.messages import RequestOutput, TokenLogprob
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -142,7 +143,8 @@ class IncrementalDetokenizer:
                  stop: list[str] | tuple[str, ...] = (), include_stop_str_in_output: bool = False):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._stop = tuple(stop)
+        self._stop = StopStrings.of(tuple(stop)) if stop else None
+        self._stop_state = 0                # the automaton's state after the text decoded so far
         self._include_stop = include_stop_str_in_output
         self._ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
         self._prefix_offset = 0            # _ids[prefix:read] is decoded text already released
@@ -176,26 +178,20 @@ class IncrementalDetokenizer:
         return text[len(released):]
 
     def _release(self, text: str, final: bool) -> tuple[str, str | None]:
-        """(text safe to emit, the stop string that matched or None)."""
-        if not self._stop:
+        """(text safe to emit, the stop string that matched or None). The automaton reads the new text alone;
+        the stop strings are searched only once one has ended, which ends the request."""
+        if self._stop is None:
             return text, None
         buffer = self._held + text
-        matches = [(i, s) for s in self._stop if (i := buffer.find(s)) >= 0]
+        self._stop_state, ended = self._stop.advance(self._stop_state, text)
+        matches = [(i, s) for s in self._stop.strings if (i := buffer.find(s)) >= 0] if ended else []
         if matches:
             start, stop = min(matches, key=lambda m: m[0])
             self._held = ""
             return buffer[:start + len(stop) if self._include_stop else start], stop
-        keep = 0 if final else self._stop_prefix_length(buffer)
+        keep = 0 if final else self._stop.held_length(self._stop_state)
         self._held = buffer[len(buffer) - keep:]
         return buffer[:len(buffer) - keep], None
-
-    def _stop_prefix_length(self, text: str) -> int:
-        """Length of the longest tail of `text` that is the start of some stop string."""
-        for length in range(min(len(text), max(map(len, self._stop)) - 1), 0, -1):
-            tail = text[-length:]
-            if any(s.startswith(tail) for s in self._stop):
-                return length
-        return 0
 
 
 def _token_text(value: Any) -> str:

@@ -52,6 +52,12 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token from the 2nd on
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # set by the scheduler when it first admits the request
+    # the sampler's device tensors of this request's lists (model_runner/logit_edits.py), set by the model runner
+    # at its first sampled step and reused by every later one
+    logit_edits: object | None = None
+
+    def __post_init__(self) -> None:
+        self._stop_token_ids = frozenset(self.params.stop_token_ids)   # looked up per token: a set, built once
 
     @property
     def queue_time(self) -> float | None:
@@ -102,7 +108,7 @@ class Request:
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
         if n_out >= self.params.min_tokens:
-            if last in self.params.stop_token_ids:
+            if last in self._stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", last
                 return True
             if not self.params.ignore_eos and last in self.eos_token_ids:

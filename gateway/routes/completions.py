@@ -1,6 +1,7 @@
 """POST /v1/completions: string, token-id and batched prompts, n choices each, streamed or whole.
 
-Every (prompt, sample) pair is its own worker request; choice index = prompt_index * n + sample.
+Every (prompt, sample) pair is its own worker request; choice index = prompt_index * n + sample. A request
+creates at most MAX_CHOICES of them, refused before anything is encoded or queued.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.api_error import check
+from gateway.generation_request import MAX_CHOICES
 from gateway.request_types import CompletionRequest
 from gateway.request_validation import resolve_max_tokens
 from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, usage
@@ -52,13 +55,18 @@ async def create_completion(request: Request) -> Response:
 
 
 async def _jobs(server: ServingContext, body: CompletionRequest) -> list[Job]:
+    prompts = body.prompt_inputs()
+    check(len(prompts) * body.n <= MAX_CHOICES,
+          f"This request asks for {len(prompts) * body.n} choices ({len(prompts)} prompts x n={body.n}), more than "
+          f"the {MAX_CHOICES} one request may create. Please send fewer prompts or a smaller n per request.",
+          "prompt")
     jobs = []
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and body.echo:
         prompt_logprobs = body.logprobs
     structured = structured_output(body)
     bad_words = server.tokenizer.bad_words_token_ids(body.bad_words)
-    for prompt in body.prompt_inputs():
+    for prompt in prompts:
         ids = await server.encode_prompt(prompt, body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_model_len)
         text = prompt if isinstance(prompt, str) else await server.decode(ids, skip_special_tokens=False)

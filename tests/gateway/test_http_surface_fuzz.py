@@ -5,7 +5,8 @@ each batch.
 
 The stand-in worker encodes each request as the rings do (msgpack), so a value the real worker could not
 be sent fails here too. Derandomized, with a fixed budget: one batch per POST route and one of GETs,
-EXAMPLES_PER_BATCH generated cases each, plus RAW_EXAMPLES on every POST route and a /health: 399 in all.
+EXAMPLES_PER_BATCH generated cases each, plus RAW_EXAMPLES on every POST route and a /health: 423 in all.
+Edge values and raw bodies include fan-out (prompts x n past MAX_CHOICES) and long token lists.
 """
 import asyncio
 import json
@@ -44,7 +45,7 @@ DEEP_JSON_FIELDS = [*DEEP_JSON, {"json": DEEP_JSON[1]},
                                                            "function": {"name": "f", "arguments": DEEP_JSON[0]}}]}]]
 EDGE_VALUES = [*DEEP_JSON_FIELDS, -1, 2 ** 64, 10 ** 30, "__1e999__", 1e308, "", "\x00", "a" * 300, "found", [], {}, None, True,
                [[1, 2], []], [-5], {"type": "json_object"}, [{"role": "user", "content": [{"type": "image"}]}],
-               {"include_usage": True}]
+               {"include_usage": True}, 128, [[5, 6]] * 800, [300] * 20_000, ["ab"] * 3000]
 CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "APPLICATION/JSON", "text/plain",
                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""]
 AUTHORIZATION = [None, "Bearer secret", "Bearer wrong", "secret", "Bearer "]
@@ -57,7 +58,16 @@ RAW_EXAMPLES = [b"[" * 5000 + b"]" * 5000, b'{"prompt": ' + b'{"a": ' * 5000 + b
                 b'{"model": "base", "prompt": "\xff\xfe"}', b'{"prompt": [1, 1e999]}', b'{"top_k": 1e999}',
                 b'{"lora_name": "x", "lora_path": "LORA_DIR/\\u0000", "model": "a\\u0000b", "tokens": [1]}',
                 b'{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "top_k": 100000000000000000000000,'
-                b' "chat_template_kwargs": {"add_generation_prompt": 1, "messages": 2}, "max_tokens": 2}']
+                b' "chat_template_kwargs": {"add_generation_prompt": 1, "messages": 2}, "max_tokens": 2}',
+                *(json.dumps(body).encode() for body in [       # fan-out and long lists, each once per request
+                    {"model": "base", "prompt": [[5, 6]] * 800, "n": 128, "max_tokens": 1, "temperature": 1},
+                    {"model": "base", "prompt": [[5, 6]] * 2048, "max_tokens": 1, "ignore_eos": True},
+                    {"model": "base", "prompt": "hi", "messages": CHAT, "max_tokens": 10, "ignore_eos": True, "n": 16,
+                     "temperature": 1, "allowed_token_ids": [300] * 100_000, "stop_token_ids": [7] * 50_000,
+                     "min_tokens": 5},
+                    {"model": "base", "prompt": [list(range(200))] * 40, "messages": CHAT, "max_tokens": 2,
+                     "bad_words": ["ab", "c d"] * 2000, "stop": [f"zz{i}" for i in range(2000)],
+                     "logit_bias": {str(t): 1 for t in range(320)}, "repetition_penalty": 1.2}])]
 GOOD_HEADERS = {"Authorization": "Bearer secret", "Content-Type": "application/json"}
 
 json_values = st.recursive(

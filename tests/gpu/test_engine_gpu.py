@@ -222,11 +222,15 @@ def test_adapter_mix_changes_between_replays_without_recapture(hf_models):
     assert second == alone
 
 
-@pytest.mark.parametrize("penalties", [False, True], ids=["greedy-and-sampled", "with-penalties"])
-def test_steps_make_no_host_device_sync(hf_models, penalties):
+LISTS = dict(allowed_token_ids=list(range(300)) * 3, bad_words_token_ids=[[5, 6], [7], [8, 9, 10]],
+             logit_bias={3: 2.0, 4: -1.0}, min_tokens=4, stop_token_ids=[11, 12])
+
+
+@pytest.mark.parametrize("extra", [{}, dict(presence_penalty=0.5, repetition_penalty=1.1), LISTS],
+                         ids=["greedy-and-sampled", "with-penalties", "with-lists"])
+def test_steps_make_no_host_device_sync(hf_models, extra):
     engine = make_engine(hf_models["qwen3"], enforce_eager=False, overlap_loading=True, max_num_batched_tokens=64)
     run(engine)                                       # warm-up: Triton compilation and autotuning
-    extra = dict(presence_penalty=0.5, repetition_penalty=1.1) if penalties else {}
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=8, ignore_eos=True,
                             logprobs=2, **extra)
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), ROWS)):

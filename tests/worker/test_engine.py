@@ -121,6 +121,33 @@ def test_min_tokens_masks_stop_token_ids(llama):
     assert out[0] == free_run[0] and stop not in out[:4]
 
 
+def test_a_request_lists_are_read_at_its_first_step_and_never_after(llama):
+    """allowed_token_ids and bad words are walked when the request first samples; its later steps reuse what was
+    built then."""
+    allowed, words = CountedList(prompt(300, seed=1)), CountedList([[7, 8], [9]] * 100)
+    engine = make_engine(llama)
+    engine.add_request("a", prompt(6), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                   repetition_penalty=1.2, allowed_token_ids=allowed,
+                                                   bad_words_token_ids=words))
+    first = engine.step()
+    reads = (allowed.reads, words.reads)
+    outs = tokens_of(first + [o for o in run_all(engine).get("a", [])])
+    assert len(outs) == 8 and set(outs) <= set(allowed) - {9}
+    assert (allowed.reads, words.reads) == (reads[0] + 1, reads[1])   # +1: the check above
+
+
+class CountedList(list):
+    """A list that counts how often it is iterated."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.reads = 0
+
+    def __iter__(self):
+        self.reads += 1
+        return super().__iter__()
+
+
 def test_logprobs_match_log_softmax_of_captured_logits(llama):
     engine = make_engine(llama)
     captured = []

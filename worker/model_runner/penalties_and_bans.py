@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.model_runner.logit_edits import LogitEdits
 from worker.model_runner.sampling_passes import (asks_allowed_tokens, asks_bad_words, asks_logit_bias,
                                                  asks_penalties)
 
@@ -28,40 +29,48 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids:
                    prev_tokens: torch.Tensor | None = None, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logit_bias, penalties, then the bans, in float32; `logits` itself is never written to. vLLM bans before the
     penalties; a banned logit is -inf either way, and banning last keeps it -inf rather than the penalties' clamp
-    of it. `prev_tokens`: the previous step's sampled ids on the device, where rows' pending tokens are."""
+    of it. `prev_tokens`: the previous step's sampled ids on the device, where rows' pending tokens are. A row's
+    lists are read from its LogitEdits (built here when the row brings none), never walked per step."""
     # logits: [num_rows, vocab_size]
     logits = logits.float()
+    edits = [r.edits or LogitEdits(r.params, r.prompt_token_ids, logits.shape[1], eos_token_ids, logits.device)
+             for r in rows]
     if any(asks_logit_bias(r.params) for r in rows):
-        logits = apply_logit_bias(logits, rows)
+        logits = apply_logit_bias(logits, edits)
     if any(asks_penalties(r.params) for r in rows):
-        logits = apply_penalties(logits, rows, prev_tokens)
+        logits = apply_penalties(logits, rows, edits, prev_tokens)
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
     if any(asks_allowed_tokens(r.params) for r in rows):
-        logits = keep_allowed(logits, rows)
+        logits = keep_allowed(logits, edits)
     if any(asks_bad_words(r.params) for r in rows):
-        logits = ban_bad_words(logits, rows, prev_tokens)
-    return mask_early_stops(logits, rows, eos_token_ids)
+        logits = ban_bad_words(logits, rows, edits, prev_tokens)
+    return mask_early_stops(logits, rows, edits)
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    pairs = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
-    row_idx, token_idx, bias = zip(*pairs)
-    indices = (to_device(row_idx, torch.int64, logits.device), to_device(token_idx, torch.int64, logits.device))
-    return logits.index_put(indices, to_device(bias, torch.float32, logits.device), accumulate=True)
+def apply_logit_bias(logits: torch.Tensor, edits: list[LogitEdits]) -> torch.Tensor:
+    biased = [(i, e.bias) for i, e in enumerate(edits) if e.bias is not None]
+    row_idx, token_idx = row_pairs([(i, ids) for i, (ids, _) in biased], logits.device)
+    bias = torch.cat([values for _, (_, values) in biased])
+    return logits.index_put((row_idx, token_idx), bias, accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], edits: list[LogitEdits],
+                    prev_tokens: torch.Tensor | None) -> torch.Tensor:
     """Repetition over the prompt and output tokens, frequency and presence over the output tokens."""
-    device = logits.device
-    counts = token_counts([r.output_token_ids for r in rows], logits.shape[1], device)      # [n, V]
+    device, vocab_size = logits.device, logits.shape[1]
+    none_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    none_counted = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    counts = torch.stack([none_counted if e.penalties is None else e.penalties.count(r.output_token_ids)
+                          for r, e in zip(rows, edits)])                                       # [n, V] (a copy)
     pending = [(i, r.pending_row) for i, r in enumerate(rows) if r.num_pending]
     if pending:   # tokens not on the host yet are counted from the device, without reading them back
         assert prev_tokens is not None, "rows with a pending token need the previous sampler output"
         row_idx, src = (to_device(list(x), torch.int64, device) for x in zip(*pending))
         counts.index_put_((row_idx, prev_tokens[src]), torch.ones_like(row_idx, dtype=counts.dtype),
                           accumulate=True)
-    seen = (token_counts([r.prompt_token_ids for r in rows], logits.shape[1], device) > 0) | (counts > 0)
+    prompt_seen = torch.stack([none_seen if e.penalties is None else e.penalties.prompt_seen for e in edits])
+    seen = prompt_seen | (counts > 0)                                                          # [n, V]
     repetition = to_device([r.params.repetition_penalty for r in rows], torch.float32, device)
     repetition = repetition.clamp(1 / PENALTY_LIMIT, PENALTY_LIMIT)
     frequency = to_device([r.params.frequency_penalty for r in rows], torch.float32, device)
@@ -83,63 +92,57 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 
-def keep_allowed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def keep_allowed(logits: torch.Tensor, edits: list[LogitEdits]) -> torch.Tensor:
     """Rows with allowed_token_ids keep those tokens alone; the others keep every token."""
-    device = logits.device
-    pairs = [(i, t) for i, r in enumerate(rows) for t in r.params.allowed_token_ids or ()]
-    unrestricted = to_device([r.params.allowed_token_ids is None for r in rows], torch.bool, device)
-    keep = unrestricted[:, None].expand_as(logits).clone()                   # [n, V]
-    if pairs:
-        row_idx, token_idx = zip(*pairs)
-        keep[to_device(row_idx, torch.int64, device), to_device(token_idx, torch.int64, device)] = True
+    every = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+    keep = torch.stack([every if e.allowed is None else e.allowed for e in edits])              # [n, V]
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def ban_bad_words(logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None) -> torch.Tensor:
+def ban_bad_words(logits: torch.Tensor, rows: list[SamplingRow], edits: list[LogitEdits],
+                  prev_tokens: torch.Tensor | None) -> torch.Tensor:
     """A bad word's last token is banned when the output ends with the rest of it (a one-token word:
     always). A pending last token is compared on the device, so the host never waits for it.
 
     Running example: bad word [7, 8, 9], output on the host [.., 7] and a pending token: 9 is banned
     where prev_tokens[pending_row] == 8."""
-    bans = []          # (row, banned token, row of the pending token to compare or -1, its expected id)
-    for i, r in enumerate(rows):
-        for word in r.params.bad_words_token_ids:
-            *prefix, last = word
-            if not prefix:
-                bans.append((i, last, -1, 0))
-                continue
-            known = prefix[:-1] if r.num_pending else prefix
-            out = r.output_token_ids
-            if len(out) >= len(known) and out[len(out) - len(known):] == known:
-                bans.append((i, last, r.pending_row, prefix[-1]) if r.num_pending else (i, last, -1, 0))
-    if not bans:
-        return logits
-    row_idx, token_idx, src, expected = (to_device(x, torch.int64, logits.device) for x in zip(*bans))
-    banned = src < 0
-    if prev_tokens is not None:
-        banned = banned | (prev_tokens[src.clamp_min(0)] == expected) & (src >= 0)
-    minus_inf = torch.full_like(banned, float("-inf"), dtype=logits.dtype)
-    penalty = torch.where(banned, minus_inf, torch.zeros_like(minus_inf))     # -inf + 0 = -inf
-    return logits.index_put((row_idx, token_idx), penalty, accumulate=True)
+    outright, conditional = [], []     # (row, [k] banned ids); (row, [2, k] expected pending id and banned id)
+    for i, (r, e) in enumerate(zip(rows, edits)):
+        if e.bad_words is not None:
+            ids, pairs = e.bad_words.bans(r.output_token_ids, r.num_pending)
+            outright += [(i, t) for t in ids]
+            conditional += [(i, p) for p in pairs]
+    if outright:
+        logits = logits.index_put(row_pairs(outright, logits.device), logits.new_full((), float("-inf")))
+    if conditional and prev_tokens is not None:
+        row_idx, _ = row_pairs([(i, p[0]) for i, p in conditional], logits.device)
+        expected, token_idx = torch.cat([p for _, p in conditional], dim=1)
+        src = to_device([rows[i].pending_row for i, _ in conditional], torch.int64, logits.device)
+        src = torch.repeat_interleave(src, to_device([p.shape[1] for _, p in conditional], torch.int64,
+                                                     logits.device), output_size=len(expected))
+        banned = prev_tokens[src] == expected
+        minus_inf = torch.full_like(banned, float("-inf"), dtype=logits.dtype)
+        penalty = torch.where(banned, minus_inf, torch.zeros_like(minus_inf))     # -inf + 0 = -inf
+        logits = logits.index_put((row_idx, token_idx), penalty, accumulate=True)
+    return logits
 
 
-def mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int]) -> torch.Tensor:
+def mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow], edits: list[LogitEdits]) -> torch.Tensor:
     """Rows short of min_tokens cannot end: their stop ids (and eos unless ignore_eos) get -inf."""
-    pairs = [(i, t) for i, r in enumerate(rows) if r.num_generated < r.params.min_tokens
-             for t in r.params.stop_token_ids + ([] if r.params.ignore_eos else eos_token_ids)]
-    if not pairs:
+    early = [(i, e.early_stops) for i, (r, e) in enumerate(zip(rows, edits))
+             if r.num_generated < r.params.min_tokens and e.early_stops is not None]
+    if not early:
         return logits
-    row_idx, token_idx = zip(*pairs)
-    indices = (to_device(row_idx, torch.int64, logits.device), to_device(token_idx, torch.int64, logits.device))
-    return logits.index_put(indices, torch.full((len(pairs),), float("-inf"), device=logits.device))
+    return logits.index_put(row_pairs(early, logits.device), logits.new_full((), float("-inf")))
 
 
-def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[num_rows, vocab_size] float32: how often each token occurs in each row's list."""
-    row_idx = to_device([i for i, ids in enumerate(token_lists) for _ in ids], torch.int64, device)
-    token_idx = to_device([t for ids in token_lists for t in ids], torch.int64, device)
-    counts = torch.zeros(len(token_lists), vocab_size, device=device)
-    return counts.index_put_((row_idx, token_idx), torch.ones_like(token_idx, dtype=counts.dtype), accumulate=True)
+def row_pairs(per_row: list[tuple[int, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every id in the rows' [k] id tensors, built on the device: the host walks the
+    rows, never the ids. Running example: [(0, [3, 7]), (2, [5])] gives rows [0, 0, 2], ids [3, 7, 5]."""
+    sizes = [len(ids) for _, ids in per_row]
+    rows = to_device([i for i, _ in per_row], torch.int64, device)
+    row_idx = torch.repeat_interleave(rows, to_device(sizes, torch.int64, device), output_size=sum(sizes))
+    return row_idx, torch.cat([ids for _, ids in per_row])
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

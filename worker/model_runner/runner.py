@@ -257,12 +257,18 @@ class ModelRunner:
                token_bitmask: torch.Tensor | None = None) -> StepHandle:
         """Enqueue the sampling of `handle`'s logits and start reading the tokens back. Rows read their
         requests' tokens now. `token_bitmask`: the grammars' allowed tokens per sampling row, or None."""
-        rows = [SamplingRow(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids,
-                            s.request.num_pending, s.request.pending_row) for s in batch.seqs if s.samples]
+        rows = [self._sampling_row(s.request) for s in batch.seqs if s.samples]
         if rows:
             handle.tokens = self.sampler(handle.logits, rows, handle.prev_tokens, token_bitmask).copy_to_host()
             self.tp.broadcast(handle.tokens.device_token_ids)
         return handle
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        """The request's row; its logit edits are built at its first sampled step and kept on it."""
+        if request.logit_edits is None:
+            request.logit_edits = self.sampler.logit_edits(request.params, request.prompt_token_ids)
+        return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, request.num_pending,
+                           request.pending_row, request.logit_edits)
 
     @torch.inference_mode()
     def follow(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.ipc.messages import SamplingParams, TokenLogprob
+from worker.model_runner.logit_edits import LogitEdits
 from worker.model_runner.logprobs import RowLogprobs, logprob_tensors
 from worker.model_runner import penalties_and_bans
 from worker.model_runner.penalties_and_bans import to_device
@@ -28,6 +29,7 @@ class SamplingRow:
     output_token_ids: list[int]     # tokens generated before this step, as known on the host
     num_pending: int = 0            # generated tokens still on their way from the device (async scheduling)
     pending_row: int = -1           # where the pending token is in the previous step's sampler output
+    edits: LogitEdits | None = None  # the request's Sampler.logit_edits, kept across steps; None: built per call
 
     @property
     def num_generated(self) -> int:
@@ -100,6 +102,10 @@ class Sampler:
             token_ids = torch.where(greedy, token_ids, drawn)
         finite = torch.isfinite(raw).all(dim=-1)                              # [num_rows]
         return SamplerOutput(token_ids, self._row_logprobs(raw, token_ids, rows), finite)
+
+    def logit_edits(self, params: SamplingParams, prompt_token_ids: list[int]) -> LogitEdits:
+        """A request's lists as device tensors, built once for all its steps (SamplingRow.edits)."""
+        return LogitEdits(params, prompt_token_ids, self.vocab_size, self.eos_token_ids, self.device)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow], prev_tokens: torch.Tensor | None = None,
                        token_bitmask: torch.Tensor | None = None) -> torch.Tensor:

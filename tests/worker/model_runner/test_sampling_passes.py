@@ -56,5 +56,6 @@ def test_penalties_change_no_row_that_does_not_ask_for_them():
     plain = SamplingRow(SamplingParams(), [1, 2, 3], [4, 4, 5])
     penalised = SamplingRow(SamplingParams(repetition_penalty=1.3, presence_penalty=0.5), [1, 2, 3], [4, 4, 5])
     assert not asks_penalties(plain.params) and asks_penalties(penalised.params)
-    out = apply_penalties(logits, [plain, penalised], None)
+    edits = [Sampler(VOCAB).logit_edits(r.params, r.prompt_token_ids) for r in (plain, penalised)]
+    out = apply_penalties(logits, [plain, penalised], edits, None)
     assert torch.equal(out[0], logits[0]) and not torch.equal(out[1], logits[1])
