@@ -17,6 +17,7 @@ from gateway.served_models import ServedModels
 from gateway_app import ADAPTER, ANSWER_IDS, BASE, error_of, serve
 from registry_worker_client import RegistryWorkerClient
 from worker.config import LoRAConfig
+from worker.ipc.messages import AdapterCommandResult
 
 
 async def test_a_name_is_locked_one_holder_at_a_time_and_leaves_no_lock_behind():
@@ -160,6 +161,17 @@ async def test_a_load_by_path_follows_the_automatic_loads_rule_for_linked_files(
                                       "allowed by --lora-dir.", "lora_path")
     assert error_of(by_name) == (404, "The model `linked` does not exist.", "model")
     assert names == {ADAPTER}
+
+
+async def test_an_unload_the_worker_answers_not_found_stops_serving_the_name():
+    """Both processes must end without the name: the worker no longer holds it, so neither does the gateway."""
+    async with serve(allow_runtime_lora_updating=True) as (http, client, _):
+        client.adapter_results[ADAPTER] = AdapterCommandResult(0, ok=False, status_code=404,
+                                                               message=f"The lora adapter '{ADAPTER}' cannot be found.")
+        unloaded = await unload(http, ADAPTER)
+        models = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+    assert error_of(unloaded) == (404, f"The lora adapter '{ADAPTER}' cannot be found.", None)
+    assert models == [BASE]
 
 
 # Races: every start order of the operations, each with seeded delays at every send, take and answer.
