@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import anyio
 from starlette.requests import Request
 
-from gateway.api_error import model_not_found
+from gateway.api_error import APIError, model_not_found
 from gateway.auth import APIKey
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
@@ -31,9 +31,10 @@ class ServingContext:
         self.client = client                     # gateway.worker_client.WorkerClient or a stand-in
         self.tokenizer = tokenizer
         worker = config.worker
-        self.served_models = ServedModels(config.served_names, worker.model.path, worker.lora.lora_dirs)
         self.metrics = Metrics(config.served_names[0], worker.lora.max_loras, worker.cache.block_size,
                                worker.cache.gpu_memory_utilization, worker.cache.enable_prefix_caching)
+        self.served_models = ServedModels(config.served_names, worker.model.path, worker.lora.lora_dirs,
+                                          client, forget=self.metrics.forget_adapter)
         self.api_key = APIKey(config.api_key) if config.api_key else None
 
     @property
@@ -58,9 +59,10 @@ class ServingContext:
         request carries the API key if there is one."""
         return self.config.allow_runtime_lora_updating and (self.api_key is None or self.api_key.accepts(request.scope))
 
-    def resolve(self, request: Request, model: str | None) -> str | None:
-        """The adapter `model` names for this request (ServedModels.resolve); 404 if unknown."""
-        return self.served_models.resolve(model, may_load=self.may_load_adapters(request))
+    async def resolve(self, request: Request, model: str | None) -> str | None:
+        """The adapter `model` names for this request (ServedModels.resolve, which may load it); 404 if
+        unknown."""
+        return await self.served_models.resolve(model, may_load=self.may_load_adapters(request))
 
     async def off_loop(self, size: int, work: Callable[[], T]) -> T:
         """`work()`, on a worker thread when `size` says it is large enough to stall the event loop."""
@@ -72,12 +74,12 @@ class ServingContext:
         """Start the worker, then load the --lora-modules adapters; raises with the worker's message."""
         self.metrics.engine_ready(await self.client.start())
         for module in self.config.lora_modules:
-            result = await self.client.adapter_command("load", module.name, module.path, pinned=module.pinned,
-                                                       warm=True)
-            if not result.ok:
+            try:
+                await self.served_models.load(module.name, module.path, base_model_name=module.base_model_name,
+                                              pinned=module.pinned, warm=True)
+            except APIError as e:
                 raise RuntimeError(f"Failed to load LoRA adapter '{module.name}' from {module.path}: "
-                                   f"{result.message}")
-            self.served_models.add(module.name, module.path, module.base_model_name, module.pinned)
+                                   f"{e.message}") from None
         logger.info("Serving %s (max_model_len %d) with adapters %s", ", ".join(self.config.served_names),
                     self.max_model_len, [m.name for m in self.config.lora_modules])
 
@@ -105,6 +107,8 @@ class ServingContext:
         Leaving early (a stop string, a closed stream, a disconnect) closes the worker's stream,
         which aborts the request in the worker.
         """
+        if lora_name is not None and lora_name not in self.served_models:
+            raise model_not_found(lora_name)      # unloaded since the request named it: no series comes back
         timer = self.metrics.start_request(lora_name, len(prompt_ids), params.max_tokens)
         # the timer sees each worker output as it arrives, before outputs waiting together are merged
         outputs = self.client.generate(AddRequest(request_id, prompt_ids, params, lora_name), timer.on_output)

@@ -122,6 +122,7 @@ async def _pump(index: int, stream: AsyncIterator[T], queue: asyncio.Queue[Any])
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Await `work` (a non-streaming response); None if the client disconnected first, cancelling it."""
     work_task = asyncio.ensure_future(work)
+    work_task.add_done_callback(lambda done: done.cancelled() or done.exception())   # read even if we are cancelled
     watch_task = asyncio.create_task(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)

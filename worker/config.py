@@ -14,6 +14,8 @@ from pathlib import Path
 
 from worker.config_flags import flag, positive_int
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")     # a PEFT directory's files we read
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -86,6 +88,20 @@ class LoRAConfig:
     lora_read_threads: int = 4                # with overlap loading, one adapter's file reads are split
                                               # across this many threads (blocking loads read in the loop)
 
+    def root_of(self, path: str | Path) -> Path | None:
+        """The --lora-dir root holding the adapter directory `path` and its files, symlinks followed; None
+        if no root holds them all. The one rule for what a runtime load may read, named or found."""
+        path = Path(path).resolve()
+        files = [(path / f).resolve() for f in ADAPTER_FILES]
+        for root in (Path(r).resolve() for r in self.lora_dirs):
+            if path.is_relative_to(root) and all(f.is_relative_to(root) for f in files):
+                return root
+        return None
+
+    def may_read(self, path: str | Path) -> bool:
+        """Whether a runtime load may read `path`: any path without --lora-dir, else one a root holds."""
+        return not self.lora_dirs or self.root_of(path) is not None
+
     def find_adapter_dir(self, name: str) -> str | None:
         """The directory `root/name` holding adapter_config.json under the first root that has one;
         `name` is relative and must stay inside the root, and so must the adapter's files (a symlink out of
@@ -94,11 +110,15 @@ class LoRAConfig:
             return None
         for root in (Path(r).resolve() for r in self.lora_dirs):
             path = (root / name).resolve()
-            files = [(path / f).resolve() for f in ("adapter_config.json", "adapter_model.safetensors")]
-            if (path.is_relative_to(root) and path != root and files[0].is_file()
-                    and all(f.is_relative_to(root) for f in files)):
+            if path != root and self.root_of(path) is not None and (path / ADAPTER_FILES[0]).is_file():
                 return str(path)
         return None
+
+    def adapter_name_of(self, path: str | Path) -> str | None:
+        """The one name a --lora-dir adapter directory is served by: its real path relative to its root
+        (`team/sql` for <root>/team/sql, whichever symlink or spelling led there)."""
+        root = self.root_of(path)
+        return None if root is None else Path(path).resolve().relative_to(root).as_posix()
 
 
 @dataclass(frozen=True)

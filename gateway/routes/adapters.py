@@ -2,8 +2,9 @@
 
 Residency is the fastest tier holding its weights ("gpu", "host", "disk"), with rank, target modules,
 pinned, version, last use and load times, as the worker reports them; the gateway adds the base model
-and creation time. An adapter the gateway registered but the worker has not loaded yet (an auto-load
-about to happen) is reported on "disk" with what the gateway knows.
+and creation time. The gateway serves a name only while the worker holds it (served_models.py); while a
+load is under way the worker may list a name the gateway does not serve yet, which is listed with what the
+worker reports.
 
 `target_modules` names what the adapter adapts, in this order: q_proj, k_proj, v_proj, o_proj, gate_proj,
 up_proj, down_proj (on a MoE base, the MLP of its dense layers), shared_expert.gate_proj / .up_proj / .down_proj

@@ -28,7 +28,7 @@ from worker.ipc.messages import TokenLogprob
 async def create_chat_completion(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = await server.read_json(request, ChatCompletionRequest)
-    lora_name = server.resolve(request, body.model)
+    lora_name = await server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.num_logprobs)
     tools = ToolChoice.from_request(body.tool_dicts, body.tool_choice, body.parallel_tool_calls,
                                     server.config.enable_auto_tool_choice and server.config.tool_call_parser in PARSERS)

@@ -38,7 +38,7 @@ class Job:
 async def create_completion(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = await server.read_json(request, CompletionRequest)
-    lora_name = server.resolve(request, body.model)
+    lora_name = await server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.logprobs)
     jobs = await _jobs(server, body)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.served_models.base_name

@@ -20,7 +20,7 @@ from gateway.serving import ServingContext
 async def tokenize(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = await server.read_json(request, TokenizeRequest)
-    server.resolve(request, body.model)
+    await server.resolve(request, body.model)
     if body.messages is not None:
         add_special = bool(body.add_special_tokens)
         ids = await render_chat(server, body.messages, body.add_generation_prompt, add_special,
@@ -40,7 +40,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = await server.read_json(request, DetokenizeRequest)
-    server.resolve(request, body.model)
+    await server.resolve(request, body.model)
     def decode() -> str:
         if body.tokens:
             check_token_ids(body.tokens, server.vocab_size)

@@ -4,14 +4,20 @@
 load answered get the new version's, and requests sent while it runs get one or the other; none fails.
 Unload: a stream that already started finishes (or ends with a 404 error event, then [DONE]); a request
 sent while the unload runs is answered or not found; one sent after it is not found. Never a 5xx.
-Every answer's tokens are checked against the offline engine running the same adapter alone.
+Every answer's tokens are checked against the offline engine running the same adapter alone. On a server
+with a --lora-dir: unloads racing the requests that load an adapter automatically leave the gateway and the
+worker holding the same names, and a directory that fails to load leaves none.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import httpx
+import pytest
+
+from tests.e2e.conftest import API_KEY
 
 STREAM_TOKENS = 48              # still streaming when the adapter changes (the CPU demo: ~100 tokens/s)
 WHOLE_TOKENS = 8
@@ -120,3 +126,71 @@ async def test_unload_racing_requests_finishes_started_streams_and_answers_the_r
     for (status, ids, events), full in zip(during_streams, short):
         assert (status, ids, events[-1]) == (200, full, "[DONE]") or events == [{"error": not_found}] or \
             (status, ids, events[-2:]) == (200, [], [{"error": not_found}, "[DONE]"])
+
+
+# A --lora-dir on a server of its own: automatic loads racing unloads, and a directory that fails to load.
+
+AUTO, BROKEN = "auto", "broken"
+ROUNDS = 10
+
+
+@pytest.fixture(scope="module")
+def lora_dir_server(demo, tmp_path_factory):
+    """(url, lora_dir) of a server with runtime loading on and a --lora-dir holding `auto` (a demo adapter)
+    and `broken` (an unreadable adapter_config.json)."""
+    from tests.e2e.test_faults import start_server
+    tmp = tmp_path_factory.mktemp("lora-dir-server")
+    lora_dir = tmp / "adapters"
+    shutil.copytree(demo.adapters["demo-r4-attn"], lora_dir / AUTO)
+    (lora_dir / BROKEN).mkdir()
+    (lora_dir / BROKEN / "adapter_config.json").write_text("{not json")
+    server = start_server(demo, tmp, "--lora-dir", str(lora_dir), "--allow-runtime-lora-updating")
+    yield server.url, lora_dir
+    server.process.terminate()
+    server.process.wait(30)
+
+
+async def served_adapters(http: httpx.AsyncClient) -> set[str]:
+    """The adapter names served, after checking that /v1/models and /v1/adapters list the same ones and that
+    the gateway (base_model) and the worker (version) both hold each."""
+    models = {m["id"] for m in (await http.get("/v1/models")).json()["data"] if m["parent"] is not None}
+    cards = (await http.get("/v1/adapters")).json()["data"]
+    assert {c["id"] for c in cards} == models, (models, cards)
+    assert all(c["base_model"] is not None and c["version"] is not None for c in cards), cards
+    return models
+
+
+async def test_unloads_racing_automatic_loads_leave_gateway_and_worker_agreeing(lora_dir_server):
+    """Each round: requests naming `auto` (loaded by the first of them), an unload sent among them, more
+    requests; then both processes must hold the same names, and `auto` must unload and load again."""
+    url, lora_dir = lora_dir_server
+    unloads = 0                        # rounds whose unload found `auto` loaded by a request
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        for _ in range(ROUNDS):
+            requests = [asyncio.create_task(whole(http, body(AUTO, p, WHOLE_TOKENS))) for p in PROMPTS * 2]
+            unload = asyncio.create_task(http.post(UNLOAD, json={"lora_name": AUTO}))
+            requests += [asyncio.create_task(whole(http, body(AUTO, p, WHOLE_TOKENS))) for p in PROMPTS * 2]
+            unloaded, answers = await unload, await asyncio.gather(*requests)
+            assert unloaded.status_code in (200, 404) and all(a[0] in (200, 404) for a in answers), answers
+            unloads += unloaded.status_code == 200
+            if AUTO in await served_adapters(http):
+                assert (await http.post(UNLOAD, json={"lora_name": AUTO})).status_code == 200
+            loaded = await http.post(LOAD, json={"lora_name": AUTO, "lora_path": str(lora_dir / AUTO)})
+            assert loaded.status_code == 200, loaded.text
+            assert (await http.post(UNLOAD, json={"lora_name": AUTO})).status_code == 200
+            assert AUTO not in await served_adapters(http)
+    assert unloads > 0, "no unload raced a loaded adapter"
+
+
+async def test_a_directory_that_fails_to_load_leaves_no_name(lora_dir_server):
+    url, _ = lora_dir_server
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        failed = await http.post("/v1/completions", json=body(BROKEN, PROMPTS[0], WHOLE_TOKENS))
+        names = await served_adapters(http)
+        metrics = (await http.get("/metrics")).text
+        unloaded = await http.post(UNLOAD, json={"lora_name": BROKEN})
+        loaded = await http.post(LOAD, json={"lora_name": BROKEN, "lora_path": "/elsewhere"})
+    assert failed.status_code == 400 and "adapter_config.json" in failed.json()["error"]["message"], failed.text
+    assert BROKEN not in names and f'lora_name="{BROKEN}"' not in metrics
+    assert unloaded.status_code == 404
+    assert loaded.status_code == 400 and "outside the directories allowed by --lora-dir" in loaded.text

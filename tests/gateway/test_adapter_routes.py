@@ -80,7 +80,7 @@ async def test_unknown_model_found_under_a_lora_dir_is_served_on_first_use(tmp_p
     assert client.requests[-1].lora_name == "found"
     assert (after["found"]["root"], after["found"]["parent"]) == (str(tmp_path / "found"), BASE)
     assert missing.status_code == 404 and outside.status_code == 404
-    assert [c[0] for c in client.adapter_commands] == ["load", "load"]   # the worker loads it itself
+    assert client.adapter_commands[2:] == [("load", "found", str(tmp_path / "found"), False, False)]
 
 
 async def test_metrics_describe_the_adapter_tiers():

@@ -104,15 +104,13 @@ class AdapterRegistry:
         self._release(ref)
 
     def acquire(self, name: str) -> AdapterRef:
-        """The current version of `name` for a new request (auto-loaded from a --lora-dir root on first
-        use), counted as a hit or miss of each tier."""
+        """The current version of `name` for a new request, counted as a hit or miss of each tier. Only `add`
+        registers a name: a --lora-dir adapter is loaded by the gateway's command before its first request,
+        so a request that arrives after its adapter's unload finds nothing, and the gateway and the worker
+        keep the same names."""
         ref = self.refs.get(name)
         if ref is None:
-            path = self.config.find_adapter_dir(name)
-            if path is None:
-                raise AdapterError(f"The model `{name}` does not exist.", status_code=404)
-            self.add(name, path)
-            ref = self.refs[name]
+            raise AdapterError(f"The model `{name}` does not exist.", status_code=404)
         version = self.versions[ref]
         version.users += 1
         version.last_used = time.time()

@@ -75,17 +75,27 @@ def test_unsupported_config_is_refused_by_name(engine, hf_models, tmp_path, chan
     assert "bad" not in engine.adapters.registry.refs
 
 
-def test_files_linked_from_outside_a_lora_dir_are_not_found_there(hf_models, tmp_path):
-    """A name under --lora-dir resolves only when the directory and its files lie inside the root."""
+def test_files_linked_from_outside_a_lora_dir_are_neither_found_nor_loaded_there(hf_models, tmp_path):
+    """One rule for a runtime load named by path and one found by name: the directory and its files lie inside
+    a root, symlinks followed; a directory has one name there, its real path from the root."""
     root, outside = tmp_path / "root", _copy_adapter(hf_models, tmp_path)
     (root / "linked-files").mkdir(parents=True)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         (root / "linked-files" / name).symlink_to(outside / name)
+    (root / "linked-weights").mkdir()
+    shutil.copy(outside / "adapter_config.json", root / "linked-weights")
+    (root / "linked-weights" / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
     (root / "linked-dir").symlink_to(outside)
-    shutil.copytree(outside, root / "inside")
+    shutil.copytree(outside, root / "team" / "inside")
+    (root / "alias").symlink_to(root / "team" / "inside")
     config = LoRAConfig(lora_dirs=(str(root),))
-    assert config.find_adapter_dir("inside") == str(root / "inside")
-    assert config.find_adapter_dir("linked-files") is None and config.find_adapter_dir("linked-dir") is None
+    assert config.find_adapter_dir("team/inside") == str(root / "team" / "inside")
+    assert config.may_read(root / "team" / "inside") and config.may_read(root / "alias")
+    for linked in ("linked-files", "linked-weights", "linked-dir"):
+        assert config.find_adapter_dir(linked) is None and not config.may_read(root / linked)
+    assert not config.may_read(outside) and LoRAConfig().may_read(outside)
+    for spelling in ("team/inside", "team/inside/", "team//inside", "alias"):
+        assert config.adapter_name_of(config.find_adapter_dir(spelling)) == "team/inside"
 
 
 def test_tensor_of_wrong_shape_is_refused(engine, hf_models, tmp_path):

@@ -1,5 +1,5 @@
 """The adapter registry in the engine (lora/registry.py): runtime load / unload / load_inplace during
-traffic, auto-load from --lora-dir, pinning. Every output is checked against the same request run alone."""
+traffic, no name registered by a request, pinning. Every output is checked against the same request run alone."""
 from __future__ import annotations
 
 import shutil
@@ -76,19 +76,23 @@ def test_adapter_loaded_during_traffic_serves_new_requests(llama, variants):
     assert tokens(outs["c"]) == alone(llama, variants["v5"], prompt(5, 13), 4)
 
 
-# auto-load, pinning
+# registration, pinning
 
 
-def test_unknown_name_under_a_lora_dir_loads_on_first_use(llama, variants, tmp_path):
+def test_a_request_never_registers_its_adapter_only_a_load_does(llama, variants, tmp_path):
+    """The gateway loads a --lora-dir adapter before its first request; a request naming one that is not
+    loaded (its unload raced it) is 404 and leaves nothing registered, so both processes keep the same names."""
     shutil.copytree(variants["v2"], tmp_path / "found")
     engine = make_engine(llama, lora_dirs=[str(tmp_path)])
-    outs = run(engine, {0: [("x", prompt(5, 14), greedy(4), "found")]})
-    assert tokens(outs["x"]) == alone(llama, variants["v2"], prompt(5, 14), 4)
-    assert [(s.name, s.path) for s in engine.adapter_states()] == [("found", str(tmp_path / "found"))]
-    for name in ("missing", "../found", str(tmp_path / "found")):
+    for name in ("found", "missing", "../found", str(tmp_path / "found")):
         with pytest.raises(AdapterError, match="does not exist") as err:
             engine.add_request("y", [1, 2], greedy(1), name)
         assert err.value.status_code == 404
+    assert engine.adapter_states() == []
+    engine.add_adapter("found", str(tmp_path / "found"))
+    outs = run(engine, {0: [("x", prompt(5, 14), greedy(4), "found")]})
+    assert tokens(outs["x"]) == alone(llama, variants["v2"], prompt(5, 14), 4)
+    assert [(s.name, s.path) for s in engine.adapter_states()] == [("found", str(tmp_path / "found"))]
 
 
 def test_pinned_adapter_is_never_evicted(llama, variants):
