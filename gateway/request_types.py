@@ -18,6 +18,17 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     logprobs: int | None = None
     max_tokens: int | None = 16
     add_special_tokens: bool = True
+    best_of: int | None = None
+
+    def check_best_of(self) -> None:
+        """vLLM's answers to `best_of`: its V1 engine samples no extra choices to keep the best of, so anything
+        above 1 is refused, with the checks its SamplingParams makes first."""
+        if self.best_of is None:
+            return
+        check(self.best_of >= 1, f"best_of must be at least 1, got {self.best_of}", "best_of")
+        check(self.best_of >= self.n, "best_of must be greater than or equal to n, "
+              f"got n={self.n} and best_of={self.best_of}.", "best_of")
+        check(self.best_of == 1, "vLLM V1 does not yet support best_of.", "best_of")
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids."""

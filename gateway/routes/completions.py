@@ -37,6 +37,7 @@ async def create_completion(request: Request) -> Response:
     body = await server.read_json(request, CompletionRequest)
     lora_name = server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.logprobs)
+    body.check_best_of()
     jobs = await _jobs(server, body)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.served_models.base_name
     deltas = merge([_choice_stream(server, body, job, lora_name, response_id) for job in jobs])
