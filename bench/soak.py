@@ -8,9 +8,10 @@ completions on the base model or an adapter (a share of them cut off after a few
 completions, loads and unloads of extra copies of a demo adapter, bad requests (malformed bodies,
 wrong content types, unknown models, out-of-range fields), and hostile ones (HOSTILE: deep JSON inside
 string fields, long token-id lists, a large fan-out, specs no output satisfies, bad adapter names; left out
-of the warm-up). Beside them a probe sends one plain request every `--probe-every-s`: its latency during the
-warm-up (the same traffic, less the hostile requests) is the baseline, and its worst latency afterwards over
-that baseline's median is the slow-down a neighbour caused. Afterwards it waits for the server to go idle
+of the warm-up; each client sends them in turn). Beside them a probe sends one plain request every
+`--probe-every-s`: its median latency in the warm-up's second half (the same traffic, less the hostile
+requests) is the baseline, and its worst latency afterwards over that baseline is the slow-down a neighbour
+caused. Afterwards it waits for the server to go idle
 and checks what a long-running server must keep true:
 
 - no answer was a 5xx, every bad request got a 4xx, and every hostile one a 2xx or a 4xx;
@@ -157,14 +158,16 @@ class Client:
     """One client's loop of random operations; counts (kind, status) pairs."""
 
     def __init__(self, http: httpx.AsyncClient, rng: random.Random, adapters: list[str], extra: dict[str, str],
-                 counts: Counter, hostile: dict[str, tuple[str, dict]]):
+                 counts: Counter, hostile: dict[str, tuple[str, dict]], hostile_weight: float = 1.0):
         self.http, self.rng, self.adapters, self.extra, self.counts = http, rng, adapters, extra, counts
-        self.hostile_requests = hostile
+        self.hostile_requests, self.hostile_weight = hostile, hostile_weight
+        self._hostile_order = rng.sample(sorted(hostile), len(hostile))     # each in turn: a short run sees them all
+        self._hostile_sent = 0
 
     async def run(self, until: float) -> None:
         while time.monotonic() < until:
             kinds = ["stream", "chat", "whole", "churn", "bad", "hostile"]
-            kind = self.rng.choices(kinds, [4, 2, 2, 1, 1, 1 if self.hostile_requests else 0])[0]
+            kind = self.rng.choices(kinds, [4, 2, 2, 1, 1, self.hostile_weight if self.hostile_requests else 0])[0]
             try:
                 status = await getattr(self, kind)()
             except httpx.TransportError as e:
@@ -213,7 +216,8 @@ class Client:
 
     async def hostile(self) -> str:
         """The status, counted under the request's name too (`hostile <name> <status>` in the report)."""
-        name = self.rng.choice(sorted(self.hostile_requests))
+        name = self._hostile_order[self._hostile_sent % len(self._hostile_order)]
+        self._hostile_sent += 1
         route, body = self.hostile_requests[name]
         status = (await self.http.post(route, json=body)).status_code
         self.counts[(f"hostile:{name}", str(status))] += 1
@@ -235,21 +239,24 @@ async def probe(http: httpx.AsyncClient, until: float, every_s: float, latencies
 
 
 async def traffic(url: str, seconds: float, clients: int, adapters: list[str], extra: dict[str, str],
-                  seed: int, hostile: dict[str, tuple[str, dict]], probe_every_s: float) -> tuple[Counter, list[float]]:
+                  seed: int, hostile: dict[str, tuple[str, dict]], probe_every_s: float,
+                  hostile_weight: float = 1.0) -> tuple[Counter, list[float]]:
     """(kind, status) counts of `clients` clients for `seconds`, and the probe's latencies meanwhile."""
     counts: Counter = Counter()
     latencies: list[float] = []
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
         until = time.monotonic() + seconds
-        await asyncio.gather(probe(http, until, probe_every_s, latencies, counts),
-                             *(Client(http, random.Random(seed + i), adapters, extra, counts, hostile).run(until)
-                               for i in range(clients)))
+        loops = [Client(http, random.Random(seed + i), adapters, extra, counts, hostile, hostile_weight)
+                 for i in range(clients)]
+        await asyncio.gather(probe(http, until, probe_every_s, latencies, counts), *(c.run(until) for c in loops))
     return counts, latencies
 
 
-def slowdown(baseline: list[float], latencies: list[float]) -> dict[str, float | None]:
-    """The probe's latencies against its baseline's median: median and worst ratio, and the milliseconds."""
+def slowdown(warmup: list[float], latencies: list[float]) -> dict[str, float | None]:
+    """The probe's latencies against its baseline, the median of the warm-up's second half (the first holds the
+    cold server's compilations): median and worst ratio, and the milliseconds."""
+    baseline = warmup[len(warmup) // 2:]
     if not baseline or not latencies:
         return {"baseline_p50_ms": None, "p50_ms": None, "worst_ms": None, "p50_ratio": None, "worst_ratio": None}
     base = statistics.median(baseline)
@@ -318,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-every-s", type=float, default=1.0, help="how often the plain request is timed")
     parser.add_argument("--max-slowdown", type=float, default=2.0,
                         help="the plain request's worst latency over its warm-up median, at most")
-    parser.add_argument("--no-hostile", action="store_true", help="leave the hostile requests out")
+    parser.add_argument("--hostile-weight", type=float, default=1.0,
+                        help="hostile requests' share of the mix, against 4 streams, 2 chats, 2 whole, 1 churn, 1 bad; "
+                             "0 leaves them out")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     assets, url = demo_assets(), f"http://127.0.0.1:{args.port}"
@@ -330,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             wait_healthy(url, server)
             adapters = list(assets["adapters"])
-            hostile = {} if args.no_hostile else hostile_requests(extra["extra-0"])
+            hostile = hostile_requests(extra["extra-0"]) if args.hostile_weight > 0 else {}
             warm, baseline = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra,
                                                  args.seed, {}, args.probe_every_s))
             rss_warm, samples = rss_mb(server), []
@@ -338,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
             start = time.monotonic()
             sampler.start()
             counts, latencies = asyncio.run(traffic(url, 60 * args.minutes, args.clients, adapters, extra,
-                                                    args.seed + 1000, hostile, args.probe_every_s))
+                                                    args.seed + 1000, hostile, args.probe_every_s,
+                                                    args.hostile_weight))
             seconds = time.monotonic() - start
             sampler.join()
             idle = idle_state(url)

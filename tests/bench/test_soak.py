@@ -29,8 +29,8 @@ def test_hostile_requests_cover_each_class_and_encode_as_json():
     assert len(hostile["large_fan_out"][1]["prompt"]) * hostile["large_fan_out"][1]["n"] == 102_400
 
 
-def test_slowdown_is_each_latency_over_the_baseline_median():
-    report = slowdown([0.1, 0.2, 0.3], [0.2, 0.4, 0.9])
+def test_slowdown_is_each_latency_over_the_median_of_the_warmups_second_half():
+    report = slowdown([9.0, 9.0, 0.1, 0.2, 0.3], [0.2, 0.4, 0.9])
     assert report == {"baseline_p50_ms": 200.0, "p50_ms": 400.0, "worst_ms": 900.0, "p50_ratio": 2.0,
                       "worst_ratio": 4.5}
     assert slowdown([], [0.1])["worst_ratio"] is None
@@ -78,3 +78,20 @@ def test_probe_times_the_plain_request_and_hostile_requests_are_counted_by_name(
     named = sum(n for (kind, _), n in counts.items() if kind.startswith("hostile:"))
     assert named == sum(n for (kind, _), n in counts.items() if kind == "hostile") > 0
     assert all(status == "400" for (kind, status) in counts if kind.startswith("hostile"))
+
+
+def test_each_client_sends_every_hostile_request_in_turn():
+    counts: Counter = Counter()
+    client = Client(None, random.Random(1), [], {}, counts, hostile_requests("/tmp/a"))
+    sent = []
+
+    class Recorder:
+        async def post(self, route, json):
+            sent.append((route, json))
+            return httpx.Response(400)
+
+    client.http = Recorder()
+    hostile = hostile_requests("/tmp/a")
+    for _ in range(2 * len(hostile)):
+        asyncio.run(client.hostile())
+    assert {kind: n for (kind, _), n in counts.items()} == {f"hostile:{name}": 2 for name in hostile}
