@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.request_types import CompletionRequest
+from gateway.request_types import CompletionRequest, check_best_of
 from gateway.request_validation import resolve_max_tokens
 from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, usage
 from gateway.serving import ServingContext
@@ -37,7 +37,7 @@ async def create_completion(request: Request) -> Response:
     body = await server.read_json(request, CompletionRequest)
     lora_name = server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.logprobs)
-    body.check_best_of()
+    check_best_of(body.best_of, body.n)
     jobs = await _jobs(server, body)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.served_models.base_name
     deltas = merge([_choice_stream(server, body, job, lora_name, response_id) for job in jobs])

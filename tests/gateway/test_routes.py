@@ -497,9 +497,10 @@ async def test_tokenize_counts_messages_longer_than_the_context():
     ({"best_of": 1, "n": 2, "temperature": 1.0}, "best_of must be greater than or equal to n, got n=2 and best_of=1."),
     ({"best_of": 3, "n": 3, "temperature": 1.0}, "vLLM V1 does not yet support best_of."),
 ])
-async def test_best_of_above_one_is_refused_as_vllm_v1_refuses_it(fields, message):
+@pytest.mark.parametrize("route, body", [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)])
+async def test_best_of_above_one_is_refused_as_vllm_v1_refuses_it(route, body, fields, message):
     async with serve() as (http, client):
-        response = await http.post("/v1/completions", json=completion_body(**fields))
+        response = await http.post(route, json=body(**fields))
     assert response.status_code == 400
     assert response.json()["error"] == {"message": message, "type": "BadRequestError", "param": "best_of",
                                         "code": 400}
@@ -507,9 +508,10 @@ async def test_best_of_above_one_is_refused_as_vllm_v1_refuses_it(fields, messag
 
 
 @pytest.mark.parametrize("best_of", [None, 1])
-async def test_best_of_one_or_unset_is_served(best_of):
+@pytest.mark.parametrize("route, body", [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)])
+async def test_best_of_one_or_unset_is_served(route, body, best_of):
     async with serve() as (http, client):
-        response = await http.post("/v1/completions", json=completion_body(best_of=best_of, max_tokens=2))
+        response = await http.post(route, json=body(best_of=best_of, max_tokens=2))
     assert response.status_code == 200
 
 
