@@ -219,9 +219,13 @@ class Client:
         name = self._hostile_order[self._hostile_sent % len(self._hostile_order)]
         self._hostile_sent += 1
         route, body = self.hostile_requests[name]
-        status = (await self.http.post(route, json=body)).status_code
-        self.counts[(f"hostile:{name}", str(status))] += 1
-        return str(status)
+        try:
+            status = str((await self.http.post(route, json=body)).status_code)
+        except httpx.TransportError as e:
+            self.counts[(f"hostile:{name}", f"transport:{type(e).__name__}")] += 1
+            raise
+        self.counts[(f"hostile:{name}", status)] += 1
+        return status
 
 
 async def probe(http: httpx.AsyncClient, until: float, every_s: float, latencies: list[float],
