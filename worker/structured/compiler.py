@@ -77,8 +77,8 @@ def _grammar(spec: StructuredOutput):
     if spec.kind == "json":
         try:
             problem = schema_problem(json.loads(spec.spec))
-        except json.JSONDecodeError:
-            problem = None            # xgrammar names the parse error
+        except (json.JSONDecodeError, RecursionError):
+            problem = None            # xgrammar names the parse error; the gateway bounds the depth
         if problem is not None:
             raise ValueError(f"Invalid JSON schema: {problem}")
     if spec.kind in ("json", "json_object"):
