@@ -5,18 +5,25 @@
 Serves the embedded demo (`python -m gateway demo`, runtime adapter loading on), then runs `--clients`
 concurrent clients for `--minutes`. Each client loops over a random mix of: streamed completions and chat
 completions on the base model or an adapter (a share of them cut off after a few chunks), whole
-completions, loads and unloads of extra copies of a demo adapter, and bad requests (malformed bodies,
-wrong content types, unknown models, out-of-range fields). Afterwards it waits for the server to go idle
+completions, loads and unloads of extra copies of a demo adapter, bad requests (malformed bodies,
+wrong content types, unknown models, out-of-range fields), and hostile ones (HOSTILE: deep JSON inside
+string fields, long token-id lists, a large fan-out, specs no output satisfies, bad adapter names; left out
+of the warm-up; each client sends them in turn). Beside them a probe sends one plain request every
+`--probe-every-s`: its median latency in the warm-up's second half (the same traffic, less the hostile
+requests) is the baseline, and its worst latency afterwards over that baseline is the slow-down a neighbour
+caused. Afterwards it waits for the server to go idle
 and checks what a long-running server must keep true:
 
-- no answer was a 5xx, and every bad request got a 4xx;
+- no answer was a 5xx, every bad request got a 4xx, and every hostile one a 2xx or a 4xx;
+- no plain request was slowed more than `--max-slowdown` times by its neighbours;
 - running and waiting requests are back to 0, KV-cache usage (`vllm:kv_cache_usage_perc`) is back to 0 (no
   leaked blocks), and the GPU adapter slots hold no more adapters than `--max-loras` with none still loading;
 - the gateway's and the worker's private RSS (RSS less shared memory) are within `--rss-tolerance` of their
   values after the warm-up, and the gateway's shared memory (the two rings, whose pages count as they are
   first written, so it grows until each ring has gone round once) is at most the rings' size.
 
-The JSON holds the counts per kind and status, the RSS samples and each check's result; the exit
+The JSON holds the counts per kind and status (each hostile request also under its name), the 5xx count per
+kind, the plain request's latencies against its baseline, the RSS samples and each check's result; the exit
 status is 1 when a check failed.
 """
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +62,46 @@ BAD_BODIES = [               # (content type, body): each must get a 4xx
     ("application/json", b'{"prompt": "x", "model": "loraplex-demo", "temperature": "hot"}'),
     ("application/json", b'{"prompt": [999999999], "model": "loraplex-demo"}'),
 ]
+
+
+PLAIN = {"model": "loraplex-demo", "prompt": "The weather today", "max_tokens": 8, "temperature": 0.0,
+         "ignore_eos": True}       # the probe's request
+
+
+def hostile_requests(adapter_path: str) -> dict[str, tuple[str, dict]]:
+    """name -> (route, body): what a careless or hostile client sends; each must get a 2xx or a 4xx, and no
+    neighbour may wait on it."""
+    chat = [{"role": "user", "content": "hi"}]
+    deep_arguments = [*chat, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "[" * 1000 + "]" * 1000}}]}]
+    completion = {"model": "loraplex-demo", "prompt": "hi", "max_tokens": 4}
+    return {
+        "deep_json_in_tool_arguments": ("/v1/chat/completions",
+                                        {"model": "loraplex-demo", "messages": deep_arguments, "max_tokens": 4}),
+        "deep_json_in_tool_arguments_tokenize": ("/tokenize", {"model": "loraplex-demo", "messages": deep_arguments}),
+        "deep_json_in_guided_json": ("/v1/completions", {**completion, "guided_json": "[" * 2000 + "]" * 2000}),
+        "deep_json_in_structured_outputs": ("/v1/completions", {**completion, "structured_outputs": {
+            "json": '{"a": ' * 2000 + "1" + "}" * 2000}}),
+        "long_allowed_token_ids": ("/v1/completions", {**completion, "max_tokens": 10, "ignore_eos": True, "n": 16,
+                                                       "temperature": 1.0, "allowed_token_ids": [300] * 100_000}),
+        "long_bad_words": ("/v1/completions", {**completion, "bad_words": [f"w{i}" for i in range(2000)]}),
+        "long_logit_bias": ("/v1/completions", {**completion, "logit_bias": {str(i): 1.0 for i in range(1000)}}),
+        "long_stop_list": ("/v1/completions", {**completion, "stop": [f"s{i}" for i in range(1000)]}),
+        "large_fan_out": ("/v1/completions", {**completion, "prompt": [[5, 6]] * 800, "n": 128, "max_tokens": 1,
+                                              "temperature": 1.0}),
+        "unsatisfiable_grammar": ("/v1/completions", {**completion, "guided_grammar": "root ::= x\nx ::= y\ny ::= x"}),
+        "self_referring_schema": ("/v1/chat/completions", {"model": "loraplex-demo", "messages": chat,
+                                  "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "s", "schema": {"$ref": "#"}}}}),
+        "remote_ref_schema": ("/v1/completions", {**completion, "guided_json": {"$ref": "https://example.com/s.json"}}),
+        "best_of": ("/v1/completions", {**completion, "best_of": 4, "n": 2, "temperature": 1.0}),
+        "adapter_name_with_dots": ("/v1/load_lora_adapter", {"lora_name": "x/../y", "lora_path": adapter_path}),
+        "adapter_name_with_nul": ("/v1/load_lora_adapter", {"lora_name": "a\u0000b", "lora_path": adapter_path}),
+        "adapter_path_outside": ("/v1/load_lora_adapter", {"lora_name": "outside", "lora_path": "/etc"}),
+        "model_is_a_path": ("/v1/completions", {**completion, "model": "../../etc/passwd"}),
+        "tokenize_past_the_context": ("/tokenize", {"model": "loraplex-demo", "messages": [
+            {"role": "user", "content": "hello " * 5000}]}),
+    }
 
 
 def demo_assets() -> dict:
@@ -110,12 +158,16 @@ class Client:
     """One client's loop of random operations; counts (kind, status) pairs."""
 
     def __init__(self, http: httpx.AsyncClient, rng: random.Random, adapters: list[str], extra: dict[str, str],
-                 counts: Counter):
+                 counts: Counter, hostile: dict[str, tuple[str, dict]], hostile_weight: float = 1.0):
         self.http, self.rng, self.adapters, self.extra, self.counts = http, rng, adapters, extra, counts
+        self.hostile_requests, self.hostile_weight = hostile, hostile_weight
+        self._hostile_order = rng.sample(sorted(hostile), len(hostile))     # each in turn: a short run sees them all
+        self._hostile_sent = 0
 
     async def run(self, until: float) -> None:
         while time.monotonic() < until:
-            kind = self.rng.choices(["stream", "chat", "whole", "churn", "bad"], [4, 2, 2, 1, 1])[0]
+            kinds = ["stream", "chat", "whole", "churn", "bad", "hostile"]
+            kind = self.rng.choices(kinds, [4, 2, 2, 1, 1, self.hostile_weight if self.hostile_requests else 0])[0]
             try:
                 status = await getattr(self, kind)()
             except httpx.TransportError as e:
@@ -162,16 +214,59 @@ class Client:
         response = await self.http.post("/v1/completions", content=body, headers={"content-type": content_type})
         return response.status_code
 
+    async def hostile(self) -> str:
+        """The status, counted under the request's name too (`hostile <name> <status>` in the report)."""
+        name = self._hostile_order[self._hostile_sent % len(self._hostile_order)]
+        self._hostile_sent += 1
+        route, body = self.hostile_requests[name]
+        try:
+            status = str((await self.http.post(route, json=body)).status_code)
+        except httpx.TransportError as e:
+            self.counts[(f"hostile:{name}", f"transport:{type(e).__name__}")] += 1
+            raise
+        self.counts[(f"hostile:{name}", status)] += 1
+        return status
+
+
+async def probe(http: httpx.AsyncClient, until: float, every_s: float, latencies: list[float],
+                counts: Counter) -> None:
+    """PLAIN every `every_s` seconds, one at a time; its latencies in seconds."""
+    while time.monotonic() < until:
+        start = time.monotonic()
+        try:
+            status = str((await http.post("/v1/completions", json=PLAIN)).status_code)
+        except httpx.TransportError as e:
+            status = f"transport:{type(e).__name__}"
+        latencies.append(time.monotonic() - start)
+        counts[("probe", status)] += 1
+        await asyncio.sleep(max(0.0, every_s - (time.monotonic() - start)))
+
 
 async def traffic(url: str, seconds: float, clients: int, adapters: list[str], extra: dict[str, str],
-                  seed: int) -> Counter:
+                  seed: int, hostile: dict[str, tuple[str, dict]], probe_every_s: float,
+                  hostile_weight: float = 1.0) -> tuple[Counter, list[float]]:
+    """(kind, status) counts of `clients` clients for `seconds`, and the probe's latencies meanwhile."""
     counts: Counter = Counter()
+    latencies: list[float] = []
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
         until = time.monotonic() + seconds
-        await asyncio.gather(*(Client(http, random.Random(seed + i), adapters, extra, counts).run(until)
-                               for i in range(clients)))
-    return counts
+        loops = [Client(http, random.Random(seed + i), adapters, extra, counts, hostile, hostile_weight)
+                 for i in range(clients)]
+        await asyncio.gather(probe(http, until, probe_every_s, latencies, counts), *(c.run(until) for c in loops))
+    return counts, latencies
+
+
+def slowdown(warmup: list[float], latencies: list[float]) -> dict[str, float | None]:
+    """The probe's latencies against its baseline, the median of the warm-up's second half (the first holds the
+    cold server's compilations): median and worst ratio, and the milliseconds."""
+    baseline = warmup[len(warmup) // 2:]
+    if not baseline or not latencies:
+        return {"baseline_p50_ms": None, "p50_ms": None, "worst_ms": None, "p50_ratio": None, "worst_ratio": None}
+    base = statistics.median(baseline)
+    return {"baseline_p50_ms": round(base * 1e3, 1), "p50_ms": round(statistics.median(latencies) * 1e3, 1),
+            "worst_ms": round(max(latencies) * 1e3, 1),
+            "p50_ratio": round(statistics.median(latencies) / base, 2), "worst_ratio": round(max(latencies) / base, 2)}
 
 
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -193,10 +288,26 @@ def idle_state(url: str, timeout_s: float = 60) -> dict:
             "loading": sum(bool(a["loading"]) for a in adapters)}
 
 
-def checks(counts: Counter, idle: dict, rss_warm: dict, rss_end: dict, max_loras: int, tolerance: float) -> dict:
-    server_errors = sum(n for (kind, status), n in counts.items() if status.startswith("5"))
+def server_errors(counts: Counter) -> dict:
+    """5xx answers: in all, and per kind (a hostile request's under its name too)."""
+    by_kind: Counter = Counter()
+    for (kind, status), n in counts.items():
+        if status.startswith("5"):
+            by_kind[kind] += n
+    return {"total": sum(n for kind, n in by_kind.items() if not kind.startswith("hostile:")),
+            "by_kind": dict(sorted(by_kind.items()))}
+
+
+def checks(counts: Counter, idle: dict, rss_warm: dict, rss_end: dict, max_loras: int, tolerance: float,
+           probe_slowdown: dict, max_slowdown: float) -> dict:
+    errors = server_errors(counts)
     bad_not_4xx = sum(n for (kind, status), n in counts.items() if kind == "bad" and not status.startswith("4"))
-    return {"no_5xx": server_errors == 0, "bad_requests_got_4xx": bad_not_4xx == 0,
+    hostile_not_2xx_4xx = sum(n for (kind, status), n in counts.items()
+                              if kind == "hostile" and status[:1] not in ("2", "4"))
+    worst = probe_slowdown["worst_ratio"]
+    return {"no_5xx": errors["total"] == 0, "bad_requests_got_4xx": bad_not_4xx == 0,
+            "hostile_requests_got_2xx_or_4xx": hostile_not_2xx_4xx == 0,
+            "plain_request_slowdown_within": worst is not None and worst <= max_slowdown,
             "idle_requests_zero": not (idle["gauges"]["vllm:num_requests_running"]
                                        or idle["gauges"]["vllm:num_requests_waiting"]),
             "idle_kv_blocks_free": idle["gauges"]["vllm:kv_cache_usage_perc"] == 0,
@@ -215,6 +326,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8199)
     parser.add_argument("--rss-tolerance", type=float, default=0.10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe-every-s", type=float, default=1.0, help="how often the plain request is timed")
+    parser.add_argument("--max-slowdown", type=float, default=2.0,
+                        help="the plain request's worst latency over its warm-up median, at most")
+    parser.add_argument("--hostile-weight", type=float, default=1.0,
+                        help="hostile requests' share of the mix, against 4 streams, 2 chats, 2 whole, 1 churn, 1 bad; "
+                             "0 leaves them out")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     assets, url = demo_assets(), f"http://127.0.0.1:{args.port}"
@@ -226,12 +343,16 @@ def main(argv: list[str] | None = None) -> None:
         try:
             wait_healthy(url, server)
             adapters = list(assets["adapters"])
-            warm = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra, args.seed))
+            hostile = hostile_requests(extra["extra-0"]) if args.hostile_weight > 0 else {}
+            warm, baseline = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra,
+                                                 args.seed, {}, args.probe_every_s))
             rss_warm, samples = rss_mb(server), []
             sampler = threading.Thread(target=sample_rss, args=(server, samples, 60 * args.minutes), daemon=True)
             start = time.monotonic()
             sampler.start()
-            counts = asyncio.run(traffic(url, 60 * args.minutes, args.clients, adapters, extra, args.seed + 1000))
+            counts, latencies = asyncio.run(traffic(url, 60 * args.minutes, args.clients, adapters, extra,
+                                                    args.seed + 1000, hostile, args.probe_every_s,
+                                                    args.hostile_weight))
             seconds = time.monotonic() - start
             sampler.join()
             idle = idle_state(url)
@@ -240,10 +361,14 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             server.terminate()
             server.wait(30)
+    probe_slowdown = slowdown(baseline, latencies)
+    operations = sum(n for (kind, _), n in counts.items() if not kind.startswith("hostile:"))
     result = {"minutes": seconds / 60, "clients": args.clients, "warmup": _flat(warm), "counts": _flat(counts),
-              "operations": sum(counts.values()), "idle": idle, "rss_mb_after_warmup": rss_warm,
+              "operations": operations, "server_errors": server_errors(counts), "plain_request": probe_slowdown,
+              "idle": idle, "rss_mb_after_warmup": rss_warm,
               "rss_mb_at_end": rss_end, "rss_mb_every_30_s": samples, "server_alive_at_end": alive,
-              "checks": checks(counts, idle, rss_warm, rss_end, args.max_loras, args.rss_tolerance)}
+              "checks": checks(counts, idle, rss_warm, rss_end, args.max_loras, args.rss_tolerance, probe_slowdown,
+                               args.max_slowdown)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     sys.exit(0 if alive and all(result["checks"].values()) else 1)

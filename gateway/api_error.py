@@ -3,10 +3,24 @@
 """
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
-ERROR_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 404: "NotFoundError", 413: "BadRequestError",
-               415: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+# vLLM's names, and the OpenAI client's for the statuses vLLM does not name
+ERROR_TYPES = {400: "BadRequestError", 401: "UnauthorizedError", 403: "PermissionDeniedError", 404: "NotFoundError",
+               409: "ConflictError", 413: "BadRequestError", 415: "BadRequestError", 422: "UnprocessableEntityError",
+               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_type(status: int) -> str:
+    """The envelope's type for `status`: vLLM's name where it has one, else the status phrase in the same
+    form (405: MethodNotAllowedError, 501: NotImplementedError)."""
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    try:
+        return HTTPStatus(status).phrase.title().replace(" ", "").replace("-", "") + "Error"
+    except ValueError:
+        return "BadRequestError" if status < 500 else "InternalServerError"
 
 
 class APIError(Exception):
@@ -16,7 +30,7 @@ class APIError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
-        self.type = type or ERROR_TYPES.get(status, "BadRequestError")
+        self.type = type or error_type(status)
         self.param = param
 
     def body(self) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import asynccontextmanager
-from http import HTTPStatus
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -70,9 +69,12 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (an unknown route, a method the route does not take) in vLLM's envelope, with
+    their headers (a 405's Allow)."""
     assert isinstance(exc, HTTPException)
-    error = APIError(exc.detail, exc.status_code, HTTPStatus(exc.status_code).phrase)
-    return json_response(error.body(), exc.status_code)
+    response = json_response(APIError(exc.detail, exc.status_code).body(), exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

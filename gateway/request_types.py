@@ -19,6 +19,7 @@ class CompletionRequest(GenerationRequest, kw_only=True):
     logprobs: int | None = None
     max_tokens: int | None = 16
     add_special_tokens: bool = True
+    best_of: int | None = None          # check_best_of
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts of this request, each a string or a list of token ids."""
@@ -34,6 +35,16 @@ class CompletionRequest(GenerationRequest, kw_only=True):
             return [list(p) for p in prompt]
         raise APIError("prompt must be a string, a list of strings, a list of token ids, "
                        "or a list of lists of token ids.", param="prompt")
+
+
+def check_best_of(best_of: int | None, n: int) -> None:
+    """vLLM's answers to `best_of` (completions and chat): its V1 engine samples no extra choices to keep the best
+    of, so anything above 1 is refused, after the checks its SamplingParams makes first."""
+    if best_of is None:
+        return
+    check(best_of >= 1, f"best_of must be at least 1, got {best_of}", "best_of")
+    check(best_of >= n, f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.", "best_of")
+    check(best_of == 1, "vLLM V1 does not yet support best_of.", "best_of")
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -92,6 +103,7 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    best_of: int | None = None          # check_best_of
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:

@@ -52,10 +52,17 @@ def prompt_logprobs_field(tokenizer: Tokenizer, choice: Delta) -> list[dict[str,
 
 async def render_chat(server: ServingContext, messages: list, add_generation_prompt: bool,
                       add_special_tokens: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Prompt token ids of a conversation, through the tokenizer's chat template (on a thread when long)."""
+    """Prompt token ids of a conversation, through the tokenizer's chat template (on a thread when long); a 400
+    when they do not fit the context."""
+    text = await chat_text(server, messages, add_generation_prompt, template_kwargs)
+    return await server.encode_prompt(text, add_special_tokens)
+
+
+async def chat_text(server: ServingContext, messages: list, add_generation_prompt: bool,
+                    template_kwargs: dict[str, Any] | None) -> str:
+    """A conversation through the tokenizer's chat template (on a thread when long)."""
     conversation = [m.template_dict() for m in messages]
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
     size = sum(len(m["content"]) for m in conversation)
-    text = await server.off_loop(size, lambda: server.tokenizer.apply_chat_template(
+    return await server.off_loop(size, lambda: server.tokenizer.apply_chat_template(
         conversation, add_generation_prompt, **kwargs))
-    return await server.encode_prompt(text, add_special_tokens)

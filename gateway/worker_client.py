@@ -53,7 +53,7 @@ class WorkerClient:
         self.ready: Ready | None = None
         self.stats = Stats(num_running=0, num_waiting=0)
         self._alive = False                  # process running and rings open
-        self._draining = False               # drain() began: /health answers 503
+        self._draining = False               # drain() began: unhealthy (the listener is closed by then)
         self._accepting = True               # False once the drain's time is up: requests get 503
         self._stopping = False               # Shutdown sent: the worker's exit is expected
         self._death_message = "The worker process is not running."

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.request_types import ChatCompletionRequest
+from gateway.request_types import ChatCompletionRequest, check_best_of
 from gateway.request_validation import resolve_max_tokens
 from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, render_chat, usage
 from gateway.serving import ServingContext
@@ -30,6 +30,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await server.read_json(request, ChatCompletionRequest)
     lora_name = await server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.num_logprobs)
+    check_best_of(body.best_of, body.n)
     tools = ToolChoice.from_request(body.tool_dicts, body.tool_choice, body.parallel_tool_calls,
                                     server.config.enable_auto_tool_choice and server.config.tool_call_parser in PARSERS)
     template_kwargs = {**({"tools": body.tool_dicts} if body.tools else {}), **(body.chat_template_kwargs or {})}

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from gateway.api_error import check
 from gateway.generation_request import MAX_CHOICES
-from gateway.request_types import CompletionRequest
+from gateway.request_types import CompletionRequest, check_best_of
 from gateway.request_validation import resolve_max_tokens
 from gateway.responses import collect_choices, json_response, prompt_logprobs_field, raise_if_failed, usage
 from gateway.serving import ServingContext
@@ -40,6 +40,7 @@ async def create_completion(request: Request) -> Response:
     body = await server.read_json(request, CompletionRequest)
     lora_name = await server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.logprobs)
+    check_best_of(body.best_of, body.n)
     jobs = await _jobs(server, body)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.served_models.base_name
     deltas = merge([_choice_stream(server, body, job, lora_name, response_id) for job in jobs])

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from gateway.api_error import APIError
 from gateway.request_types import DetokenizeRequest, TokenizeRequest
 from gateway.request_validation import check_token_ids
-from gateway.responses import json_response, render_chat
+from gateway.responses import chat_text, json_response
 from gateway.serving import ServingContext
 
 
@@ -21,15 +21,15 @@ async def tokenize(request: Request) -> Response:
     server: ServingContext = request.app.state.server
     body = await server.read_json(request, TokenizeRequest)
     await server.resolve(request, body.model)
-    if body.messages is not None:
+    if body.messages is not None:      # counted whatever its length, as vLLM's /tokenize counts it
         add_special = bool(body.add_special_tokens)
-        ids = await render_chat(server, body.messages, body.add_generation_prompt, add_special,
-                                body.chat_template_kwargs)
+        text = await chat_text(server, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     elif body.prompt is not None:
         add_special = body.add_special_tokens is None or body.add_special_tokens
-        ids = await server.off_loop(len(body.prompt), lambda: server.tokenizer.encode(body.prompt, add_special))
+        text = body.prompt
     else:
         raise APIError("Either `prompt` or `messages` must be provided.", param="prompt")
+    ids = await server.off_loop(len(text), lambda: server.tokenizer.encode(text, add_special))
     token_strs = None
     if body.return_token_strs:
         token_strs = await server.off_loop(len(ids), lambda: [server.tokenizer.backend.id_to_token(t) for t in ids])

@@ -1,7 +1,8 @@
 """A generative test of the HTTP surface: every route, with bodies from valid ones with fields replaced by
 any JSON value, arbitrary JSON, and raw bytes, under any content type and key. No answer is a 500, none
-hangs, every error is in vLLM's envelope, every stream ends with [DONE], and /health answers 200 after
-each batch.
+hangs, every error is in vLLM's envelope with one of its type names (a method a route does not take too), every stream
+ends with [DONE], and /health answers 200 after each batch. The edge values include specs no output satisfies,
+`best_of`, and messages past the context.
 
 The stand-in worker encodes each request as the rings do (msgpack), so a value the real worker could not
 be sent fails here too. Derandomized, with a fixed budget: one batch per POST route and one of GETs,
@@ -10,6 +11,7 @@ Edge values and raw bodies include fan-out (prompts x n past MAX_CHOICES) and lo
 """
 import asyncio
 import json
+import re
 import string
 from urllib.parse import quote
 
@@ -45,7 +47,13 @@ DEEP_JSON_FIELDS = [*DEEP_JSON, {"json": DEEP_JSON[1]},
                                                            "function": {"name": "f", "arguments": DEEP_JSON[0]}}]}]]
 EDGE_VALUES = [*DEEP_JSON_FIELDS, -1, 2 ** 64, 10 ** 30, "__1e999__", 1e308, "", "\x00", "a" * 300, "found", [], {}, None, True,
                [[1, 2], []], [-5], {"type": "json_object"}, [{"role": "user", "content": [{"type": "image"}]}],
-               {"include_usage": True}, 128, [[5, 6]] * 800, [300] * 20_000, ["ab"] * 3000]
+               {"include_usage": True}, 128, [[5, 6]] * 800, [300] * 20_000, ["ab"] * 3000,
+               # specs no output satisfies (the worker refuses them; here they must reach it intact), best_of
+               {"$ref": "#"}, '{"$ref": "#"}', "root ::= x\nx ::= y\ny ::= x", {"$ref": "https://example.com/s.json"},
+               {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}, {"json": {"enum": []}},
+               {"grammar": 'root ::= root "a"'}, 2, 0,
+               # messages past the context (256 tokens): /tokenize counts them, generation refuses them
+               [{"role": "user", "content": "hello " * 400}]]
 CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "APPLICATION/JSON", "text/plain",
                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""]
 AUTHORIZATION = [None, "Bearer secret", "Bearer wrong", "secret", "Bearer "]
@@ -90,14 +98,15 @@ def post_requests(draw, route: str) -> tuple[str, str, bytes, dict[str, str]]:
         raw = json.dumps(draw(json_values)).encode()
     else:
         raw = draw(st.sampled_from([b"{", b'{"a": "\xff"}', b"[" * 3000, b"1e999", b"\x00"]) | st.binary(max_size=64))
-    return "POST", route, raw, draw(headers())
+    return draw(st.sampled_from(["POST"] * 8 + ["GET", "PUT", "DELETE"])), route, raw, draw(headers())
 
 
 @st.composite
 def get_requests(draw) -> tuple[str, str, bytes, dict[str, str]]:
     route = draw(st.sampled_from(GET_ROUTES))
     name = draw(st.sampled_from([BASE, ADAPTER, "found", "nope"]) | st.text(min_size=1, max_size=20))
-    return "GET", route.format(quote(name, safe="")), b"", draw(headers())
+    method = draw(st.sampled_from(["GET"] * 6 + ["POST", "PATCH", "OPTIONS"]))
+    return method, route.format(quote(name, safe="")), b"", draw(headers())
 
 
 @st.composite
@@ -130,6 +139,9 @@ def check_answer(route: str, response) -> None:
     elif response.status_code >= 400:
         error = response.json()["error"]
         assert sorted(error) == ["code", "message", "param", "type"] and error["code"] == response.status_code
+        assert re.fullmatch(r"(?:[A-Z][a-z]+)+", error["type"]), error    # vLLM's names: NotFoundError, InvalidUserInput
+        if response.status_code == 405:
+            assert response.headers["allow"]
     elif response.headers.get("content-type", "").startswith("text/event-stream"):
         assert response.text.endswith("data: [DONE]\n\n"), response.text[-300:]
         for block in response.text.split("\n\n")[:-2]:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 
 import httpx
 import pytest
@@ -473,6 +474,63 @@ async def test_tokenize_and_detokenize():
                                               add_special_tokens=False)
     assert text == {"prompt": "hello world"}
     assert bad.status_code == 400
+
+
+async def test_tokenize_counts_messages_longer_than_the_context():
+    """As vLLM's /tokenize: a count, not a refusal, for messages as for a prompt (the context is 256 here)."""
+    long = "hello " * 400
+    async with serve() as (http, client):
+        chat = await http.post("/tokenize", json={"messages": [{"role": "user", "content": long}],
+                                                  "add_generation_prompt": False})
+        prompt = await http.post("/tokenize", json={"prompt": long})
+        generate = await http.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user",
+                                                                                     "content": long}]))
+    expected = TOKENIZER.encode(f"<|im_start|>user\n{long}<|im_end|>\n", add_special_tokens=False)
+    assert chat.status_code == 200 and chat.json()["tokens"] == expected and chat.json()["count"] > 256
+    assert prompt.status_code == 200 and prompt.json()["count"] == len(TOKENIZER.encode(long))
+    assert generate.status_code == 400                     # generating from it is still refused
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"best_of": 2}, "vLLM V1 does not yet support best_of."),
+    ({"best_of": 0}, "best_of must be at least 1, got 0"),
+    ({"best_of": 1, "n": 2, "temperature": 1.0}, "best_of must be greater than or equal to n, got n=2 and best_of=1."),
+    ({"best_of": 3, "n": 3, "temperature": 1.0}, "vLLM V1 does not yet support best_of."),
+])
+@pytest.mark.parametrize("route, body", [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)])
+async def test_best_of_above_one_is_refused_as_vllm_v1_refuses_it(route, body, fields, message):
+    async with serve() as (http, client):
+        response = await http.post(route, json=body(**fields))
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": message, "type": "BadRequestError", "param": "best_of",
+                                        "code": 400}
+    assert client.requests == []
+
+
+@pytest.mark.parametrize("best_of", [None, 1])
+@pytest.mark.parametrize("route, body", [("/v1/completions", completion_body), ("/v1/chat/completions", chat_body)])
+async def test_best_of_one_or_unset_is_served(route, body, best_of):
+    async with serve() as (http, client):
+        response = await http.post(route, json=body(best_of=best_of, max_tokens=2))
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize("method, route, status, type_", [
+    ("GET", "/v1/completions", 405, "MethodNotAllowedError"),
+    ("DELETE", "/v1/chat/completions", 405, "MethodNotAllowedError"),
+    ("POST", "/health", 405, "MethodNotAllowedError"),
+    ("PUT", "/tokenize", 405, "MethodNotAllowedError"),
+    ("GET", "/v1/nothing", 404, "NotFoundError"),
+    ("POST", "/v2/completions", 404, "NotFoundError"),
+])
+async def test_starlette_errors_answer_in_vllms_envelope(method, route, status, type_):
+    async with serve() as (http, client):
+        response = await http.request(method, route)
+    assert response.status_code == status
+    assert response.json() == {"error": {"message": HTTPStatus(status).phrase, "type": type_, "param": None,
+                                         "code": status}}
+    if status == 405:
+        assert response.headers["allow"]
 
 
 async def test_eos_token_ends_the_choice_without_text():

@@ -39,7 +39,6 @@ def test_the_automaton_releases_and_stops_as_searching_every_stop_string(seed):
     for i, chunk in enumerate(chunks):
         final = i == len(chunks) - 1
         expected_held, released, stop = reference_release(held, chunk, stops, final)
-        buffer = held + chunk
         state, ended = automaton.advance(state, chunk)
         assert ended == (stop is not None)
         if stop is None:

@@ -100,6 +100,24 @@ def test_constrained_tokens_match_alone_and_in_a_batch(engine, tokenizer):
     ("json", "not json", "Invalid JSON schema: Failed to parse JSON"),
     ("regex", "(ab", "Invalid regex"),
     ("grammar", 'start ::= "a"', 'The root rule with name "root" is not found'),
+    # no output satisfies these: each is a 400 rather than a request served unconstrained
+    ("grammar", 'root ::= x\nx ::= y\ny ::= x', "no output satisfies it: rule(s) `root`, `x`, `y` never end"),
+    ("grammar", 'root ::= root "a"', "no output satisfies it: rule(s) `root` never end"),
+    ("grammar", 'root ::= "a" x\nx ::= "b" x', "no output satisfies it: rule(s) `root`, `x` never end"),
+    ("json", '{"$ref": "#"}', "Invalid JSON schema: no output satisfies it: every value must hold itself"),
+    ("json", '{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}',
+     "Invalid JSON schema: no output satisfies it"),
+    ("json", '{"type": "array", "items": {"$ref": "#"}, "minItems": 1}', "Invalid JSON schema: no output satisfies"),
+    ("json", '{"$ref": "https://example.com/s.json"}', "`$ref` 'https://example.com/s.json' is not supported"),
+    ("json", '{"properties": {"a": {"$ref": "other.json#/x"}}}', "`$ref` 'other.json#/x' is not supported"),
+    ("json", '{"enum": []}', "Invalid JSON schema: enum array must not be empty"),
+    ("json", '{"anyOf": []}', "`anyOf` must be a non-empty array"),
+    ("json", '{"type": []}', "`type` is an empty array"),
+    ("json", '{"not": {}}', "`not` of a schema that admits every value admits no value"),
+    ("json", '{"type": "array", "minItems": 3, "maxItems": 1}', "minItems is greater than maxItems: 3 > 1"),
+    ("json", '{"type": "string", "minLength": 5, "maxLength": 2}', "minLength 5 is greater than maxLength 2"),
+    ("json", '{"type": "object", "required": ["a"], "additionalProperties": false}', "Required property 'a'"),
+    ("json", 'false', "Schema 'false' cannot accept any value"),
 ])
 def test_bad_spec_ends_the_request_with_a_400_and_others_go_on(engine, tokenizer, kind, spec, message):
     outputs = run(engine, {"bad": (tokenizer.encode("x").ids, constrained(kind, spec, 0), None),
@@ -107,6 +125,22 @@ def test_bad_spec_ends_the_request_with_a_400_and_others_go_on(engine, tokenizer
     bad = outputs["bad"][-1]
     assert bad.finish_reason == "error" and bad.status_code == 400 and message in bad.error
     assert outputs["good"][-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind, spec", [
+    ("grammar", 'root ::= "a" | root "b"'),                  # left recursion with a base case
+    ("grammar", 'root ::= x?\nx ::= x'),                     # the unending rule is optional
+    ("json", '{"type": "object", "properties": {"a": {"$ref": "#"}}}'),      # a tree: the child is optional
+    ("json", '{"type": "array", "items": {"$ref": "#"}}'),   # nested arrays end with []
+    ("json", '{"type": "object", "properties": {"not": {}, "$ref": {"type": "string"}}, "required": ["not"]}'),
+])
+def test_a_spec_with_a_way_out_compiles(demo, kind, spec):
+    from worker.structured.compiler import GrammarCompiler
+    compiler = GrammarCompiler(str(demo.model_dir), 1536, [2])
+    try:
+        assert compiler.submit(StructuredOutput(kind, spec)).result(timeout=60) is not None
+    finally:
+        compiler.close()
 
 
 def test_abort_while_compiling_ends_the_request(engine, tokenizer):

@@ -3,8 +3,9 @@
 Compiling a JSON schema can take from a millisecond to a second, so it never runs on the step loop: `submit`
 returns a future at once and the engine holds the request until it is done. The tokenizer's vocabulary
 (xgrammar's TokenizerInfo) is read on the pool too, once, when the first constrained request comes. A spec
-xgrammar refuses becomes a ValueError naming the problem, answered to its request as a 400. `json_object` is
-a JSON schema of any object, as vLLM compiles it.
+xgrammar refuses, or one that no output satisfies (worker/structured/empty_language.py), becomes a ValueError
+naming the problem, answered to its request as a 400. `json_object` is a JSON schema of any object, as vLLM
+compiles it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from worker.ipc.messages import StructuredOutput
+from worker.structured.empty_language import schema_problem, unproductive_rules
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +46,14 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutput):
         compiler = self._compiler.result()
         try:
-            if spec.kind in ("json", "json_object"):
-                schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
-                return compiler.compile_grammar(json_schema_ebnf(schema, spec.any_whitespace))
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.spec)
-            if spec.kind == "choice":
-                return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
-            if spec.kind == "grammar":
-                return compiler.compile_grammar(spec.spec)
+            grammar = _grammar(spec)
+            unproductive = unproductive_rules(str(grammar))
+            if "root" in unproductive:        # another such rule is a branch no output can finish
+                raise ValueError(f"Invalid {_NAMES[spec.kind]}: no output satisfies it: "
+                                 f"{_never_ends(spec, unproductive)}")
+            return compiler.compile_grammar(grammar)
         except RuntimeError as e:
             raise ValueError(f"Invalid {_NAMES[spec.kind]}: {_LOCATION.sub('', str(e).strip())}") from None
-        raise ValueError(f"Unknown structured output kind {spec.kind!r}.")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -63,6 +61,36 @@ class GrammarCompiler:
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
           "grammar": "grammar"}
+
+
+def _never_ends(spec: StructuredOutput, rules: list[str]) -> str:
+    if spec.kind == "json":
+        return "every value must hold itself without end (a `$ref` cycle with no optional way out)."
+    names = ", ".join(f"`{r}`" for r in rules[:5])
+    return f"rule(s) {names} never end (each alternative needs a rule that never ends)."
+
+
+def _grammar(spec: StructuredOutput):
+    """xgrammar's Grammar of `spec`; a ValueError for a schema that admits nothing or reaches outside itself,
+    a RuntimeError for one xgrammar refuses."""
+    import xgrammar
+    if spec.kind == "json":
+        try:
+            problem = schema_problem(json.loads(spec.spec))
+        except (json.JSONDecodeError, RecursionError):
+            problem = None            # xgrammar names the parse error; the gateway bounds the depth
+        if problem is not None:
+            raise ValueError(f"Invalid JSON schema: {problem}")
+    if spec.kind in ("json", "json_object"):
+        schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+        return xgrammar.Grammar.from_ebnf(json_schema_ebnf(schema, spec.any_whitespace))
+    if spec.kind == "regex":
+        return xgrammar.Grammar.from_regex(spec.spec)
+    if spec.kind == "choice":
+        return xgrammar.Grammar.from_ebnf(choice_grammar(json.loads(spec.spec)))
+    if spec.kind == "grammar":
+        return xgrammar.Grammar.from_ebnf(spec.spec)
+    raise ValueError(f"Unknown structured output kind {spec.kind!r}.")
 
 
 def choice_grammar(choices: list[str]) -> str:
