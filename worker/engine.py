@@ -72,6 +72,10 @@ class Engine:
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = list(self.arch.eos_token_ids)
+        # the grammar compiler (xgrammar, the tokenizer's vocabulary) is made on its own thread while the model loads:
+        # made by the first constrained request instead, its imports held every other request up for seconds
+        self.structured = StructuredOutputs(config.model.tokenizer or config.model.path, self.vocab_size,
+                                            self.eos_token_ids, self.device)
         self.followers = (FollowerRanks(config, self.device, self.dtype, self.max_model_len)
                           if config.tensor_parallel_size > 1 else None)     # the other tensor-parallel ranks
         self.runner = ModelRunner(config, self.arch, self.device, self.dtype, self.max_model_len,
@@ -84,13 +88,12 @@ class Engine:
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, allocator, self.adapters.slots, self.adapters.prefetcher,
                                    enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.structured = StructuredOutputs(config.model.tokenizer or config.model.path, self.vocab_size,
-                                            self.eos_token_ids, self.device)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
         # times the launches for the worker loop (launch_delay); only where the host runs ahead of a device
         paced = config.late_launch and config.async_scheduling and self.device.type == "cuda"
         self._pacer = LaunchPacer(self._shape) if paced else None
         self._arrivals = itertools.count()
+        self.structured.wait_ready()          # begun before the model loaded; no request waits for it later
         logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads, prefix caching %s",
                     self.arch.architecture, self.device, self.dtype, self.num_kv_blocks,
                     "overlapped" if self.adapters.prefetcher is not None else "blocking",

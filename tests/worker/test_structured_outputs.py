@@ -265,3 +265,14 @@ def test_graph_capture_collects_garbage_first_and_runs_no_gc_during_it(monkeypat
     runner.capture()
     assert state["freed_while_capturing"] == [False] and len(runner.graphs) == 4
     assert gc.isenabled()
+
+
+def test_the_grammar_compiler_is_made_when_the_engine_starts_not_by_the_first_constrained_request(demo):
+    """xgrammar's imports and the tokenizer's vocabulary take the interpreter for seconds: made by the first
+    constrained request, they held every request beside it up (a plain request waited ~1.4 s beside the first one on
+    the demo). The engine starts that work while its model loads, on the compiler's thread, and is ready only once
+    it is done."""
+    engine = make_engine(demo)
+    made = engine.structured._compiler._compiler          # the compiler's future, started by the engine
+    assert made.done() and made.result() is not None      # done before the engine returned, unasked
+    assert engine.structured.num_compiling == 0

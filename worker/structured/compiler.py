@@ -2,7 +2,9 @@
 
 Compiling a JSON schema can take from a millisecond to a second, so it never runs on the step loop: `submit`
 returns a future at once and the engine holds the request until it is done. The tokenizer's vocabulary
-(xgrammar's TokenizerInfo) is read on the pool too, once, when the first constrained request comes. A spec
+(xgrammar's TokenizerInfo) is read on the pool too, once, as soon as the compiler is made (the engine makes it while
+its model loads: xgrammar's and the tokenizer's imports hold the interpreter for seconds, which a first constrained
+request arriving among others would make them all wait for). A spec
 xgrammar refuses, or one that no output satisfies (worker/structured/empty_language.py), becomes a ValueError
 naming the problem, answered to its request as a 400. `json_object` is a JSON schema of any object, as vLLM
 compiles it.
@@ -13,7 +15,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from worker.ipc.messages import StructuredOutput
 from worker.structured.empty_language import schema_problem, unproductive_rules
@@ -31,6 +33,10 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._compiler = self._pool.submit(_make_compiler, tokenizer_path, vocab_size, stop_token_ids)
         self._cache: OrderedDict[StructuredOutput, Future] = OrderedDict()   # spec -> compiled grammar
+
+    def wait_ready(self) -> None:
+        """Return once the compiler is made or has failed to be (a failure is each constrained request's error)."""
+        wait([self._compiler])
 
     def submit(self, spec: StructuredOutput) -> Future:
         """The compiled grammar of `spec` (a cached future when it was asked for before)."""

@@ -48,10 +48,15 @@ class StructuredOutputs:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], device: torch.device):
         self.device = device
         self.vocab_size = vocab_size
-        self._tokenizer = (tokenizer_path, vocab_size, list(eos_token_ids))
-        self._compiler: GrammarCompiler | None = None            # made by the first constrained request
+        # made now, on the compiler's own thread (xgrammar's imports, the tokenizer's vocabulary): when the first
+        # constrained request made it, that work held every other request up for seconds
+        self._compiler = GrammarCompiler(tokenizer_path, vocab_size, list(eos_token_ids))
         self._compiling: dict[str, tuple[Request, Future]] = {}  # request id -> (request, compiled grammar)
         self._matchers: dict[str, _Matcher] = {}                 # request id -> its matcher, while it runs
+
+    def wait_ready(self) -> None:
+        """Wait for the grammar compiler begun at construction (the engine calls it once its model is up)."""
+        self._compiler.wait_ready()
 
     @property
     def num_compiling(self) -> int:
@@ -59,8 +64,6 @@ class StructuredOutputs:
 
     def hold(self, request: Request) -> None:
         """Start compiling the request's grammar; it waits here until ready() hands it over."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(*self._tokenizer)
         self._compiling[request.request_id] = (request, self._compiler.submit(request.params.structured))
 
     def ready(self) -> tuple[list[Request], list[tuple[Request, str, int]]]:
@@ -121,5 +124,4 @@ class StructuredOutputs:
         return host.to(self.device, non_blocking=True)    # the caching host allocator keeps `host` until copied
 
     def close(self) -> None:
-        if self._compiler is not None:
-            self._compiler.close()
+        self._compiler.close()
