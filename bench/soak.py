@@ -9,13 +9,17 @@ completions, loads and unloads of extra copies of a demo adapter, bad requests (
 wrong content types, unknown models, out-of-range fields), and hostile ones (HOSTILE: deep JSON inside
 string fields, long token-id lists, a large fan-out, specs no output satisfies, bad adapter names; left out
 of the warm-up; each client sends them in turn). Beside them a probe sends one plain request every
-`--probe-every-s`: its median latency in the warm-up's second half (the same traffic, less the hostile
-requests) is the baseline, and its worst latency afterwards over that baseline is the slow-down a neighbour
-caused. Afterwards it waits for the server to go idle
+`--probe-every-s`. The soak alternates, every `--phase-seconds`, between sending the hostile requests and sending
+their twins in their place (TWINS: the same route and work without what makes them hostile: the request without its
+long list, a satisfiable grammar, a plain completion where the hostile one is refused), so the slow-down a hostile
+neighbour causes is the probe's latency in the hostile phases over its latency in the twin phases, taken side by side
+in one run (median, 95th percentile and worst): on a CPU a legitimate neighbour (an `n` of 16) slows the probe by
+its own compute, which the twin phases hold too. Afterwards it waits for the server to go idle
 and checks what a long-running server must keep true:
 
-- no answer was a 5xx, every bad request got a 4xx, and every hostile one a 2xx or a 4xx;
-- no plain request was slowed more than `--max-slowdown` times by its neighbours;
+- no answer was a 5xx, every bad request got a 4xx, every hostile one a 2xx or a 4xx, and every twin a 2xx;
+- no plain request was slowed more than `--max-slowdown` times by hostile neighbours (the worst probe of the hostile
+  phases over the worst of the twin phases);
 - running and waiting requests are back to 0, KV-cache usage (`vllm:kv_cache_usage_perc`) is back to 0 (no
   leaked blocks), and the GPU adapter slots hold no more adapters than `--max-loras` with none still loading;
 - the gateway's and the worker's private RSS (RSS less shared memory) are within `--rss-tolerance` of their
@@ -104,6 +108,49 @@ def hostile_requests(adapter_path: str) -> dict[str, tuple[str, dict]]:
     }
 
 
+def twin_requests(hostile: dict[str, tuple[str, dict]]) -> dict[str, tuple[str, dict]]:
+    """name -> (route, body): each hostile request's twin, the same work without what makes it hostile."""
+    chat = [{"role": "user", "content": "hi"}]
+    plain_arguments = [*chat, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}}]}]
+    completion = {"model": "loraplex-demo", "prompt": "hi", "max_tokens": 4}
+
+    def without(name: str, *fields: str) -> tuple[str, dict]:
+        route, body = hostile[name]
+        return route, {key: value for key, value in body.items() if key not in fields}
+
+    twins = {
+        "deep_json_in_tool_arguments": ("/v1/chat/completions",
+                                        {"model": "loraplex-demo", "messages": plain_arguments, "max_tokens": 4}),
+        "deep_json_in_tool_arguments_tokenize": ("/tokenize", {"model": "loraplex-demo", "messages": plain_arguments}),
+        "deep_json_in_guided_json": ("/v1/completions", {**completion, "guided_json": '{"type": "array"}'}),
+        "deep_json_in_structured_outputs": ("/v1/completions", {**completion, "structured_outputs": {
+            "json": '{"type": "object", "properties": {"a": {"type": "integer"}}}'}}),
+        "long_allowed_token_ids": without("long_allowed_token_ids", "allowed_token_ids"),
+        "long_bad_words": without("long_bad_words", "bad_words"),
+        "long_logit_bias": without("long_logit_bias", "logit_bias"),
+        "long_stop_list": without("long_stop_list", "stop"),
+        "unsatisfiable_grammar": ("/v1/completions", {**completion, "guided_grammar": 'root ::= "a" | "b" root'}),
+        "self_referring_schema": ("/v1/chat/completions", {"model": "loraplex-demo", "messages": chat,
+                                  "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "s", "schema": {"type": "object"}}}}),
+        "remote_ref_schema": ("/v1/completions", {**completion, "guided_json": {"type": "string"}}),
+        "best_of": without("best_of", "best_of"),
+        "tokenize_past_the_context": hostile["tokenize_past_the_context"],    # served either way: counted
+    }
+    return {name: twins.get(name, ("/v1/completions", completion)) for name in hostile}
+
+
+class Phases:
+    """Hostile and twin phases of `seconds` each, in turn from `start` (twin first)."""
+
+    def __init__(self, start: float, seconds: float):
+        self.start, self.seconds = start, seconds
+
+    def hostile_now(self) -> bool:
+        return int((time.monotonic() - self.start) // self.seconds) % 2 == 1
+
+
 def demo_assets() -> dict:
     done = subprocess.run([sys.executable, "-m", "worker.demo"], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -158,9 +205,11 @@ class Client:
     """One client's loop of random operations; counts (kind, status) pairs."""
 
     def __init__(self, http: httpx.AsyncClient, rng: random.Random, adapters: list[str], extra: dict[str, str],
-                 counts: Counter, hostile: dict[str, tuple[str, dict]], hostile_weight: float = 1.0):
+                 counts: Counter, hostile: dict[str, tuple[str, dict]], hostile_weight: float = 1.0,
+                 phases: Phases | None = None):
         self.http, self.rng, self.adapters, self.extra, self.counts = http, rng, adapters, extra, counts
         self.hostile_requests, self.hostile_weight = hostile, hostile_weight
+        self.twins, self.phases = twin_requests(hostile) if phases is not None else {}, phases
         self._hostile_order = rng.sample(sorted(hostile), len(hostile))     # each in turn: a short run sees them all
         self._hostile_sent = 0
 
@@ -168,6 +217,8 @@ class Client:
         while time.monotonic() < until:
             kinds = ["stream", "chat", "whole", "churn", "bad", "hostile"]
             kind = self.rng.choices(kinds, [4, 2, 2, 1, 1, self.hostile_weight if self.hostile_requests else 0])[0]
+            if kind == "hostile" and self.phases is not None and not self.phases.hostile_now():
+                kind = "twin"
             try:
                 status = await getattr(self, kind)()
             except httpx.TransportError as e:
@@ -216,45 +267,60 @@ class Client:
 
     async def hostile(self) -> str:
         """The status, counted under the request's name too (`hostile <name> <status>` in the report)."""
+        return await self._next_of(self.hostile_requests, "hostile")
+
+    async def twin(self) -> str:
+        """The next hostile request's twin, in a twin phase (`twin <name> <status>`)."""
+        return await self._next_of(self.twins, "twin")
+
+    async def _next_of(self, requests: dict[str, tuple[str, dict]], kind: str) -> str:
         name = self._hostile_order[self._hostile_sent % len(self._hostile_order)]
         self._hostile_sent += 1
-        route, body = self.hostile_requests[name]
+        route, body = requests[name]
         try:
             status = str((await self.http.post(route, json=body)).status_code)
         except httpx.TransportError as e:
-            self.counts[(f"hostile:{name}", f"transport:{type(e).__name__}")] += 1
+            self.counts[(f"{kind}:{name}", f"transport:{type(e).__name__}")] += 1
             raise
-        self.counts[(f"hostile:{name}", status)] += 1
+        self.counts[(f"{kind}:{name}", status)] += 1
         return status
 
 
 async def probe(http: httpx.AsyncClient, until: float, every_s: float, latencies: list[float],
-                counts: Counter) -> None:
-    """PLAIN every `every_s` seconds, one at a time; its latencies in seconds."""
+                counts: Counter, phases: Phases | None = None, twin_latencies: list[float] | None = None) -> None:
+    """PLAIN every `every_s` seconds, one at a time; its latencies in seconds (those started in a twin phase into
+    `twin_latencies`)."""
     while time.monotonic() < until:
         start = time.monotonic()
+        into = twin_latencies if phases is not None and not phases.hostile_now() else latencies
         try:
             status = str((await http.post("/v1/completions", json=PLAIN)).status_code)
         except httpx.TransportError as e:
             status = f"transport:{type(e).__name__}"
-        latencies.append(time.monotonic() - start)
+        into.append(time.monotonic() - start)
         counts[("probe", status)] += 1
         await asyncio.sleep(max(0.0, every_s - (time.monotonic() - start)))
 
 
 async def traffic(url: str, seconds: float, clients: int, adapters: list[str], extra: dict[str, str],
                   seed: int, hostile: dict[str, tuple[str, dict]], probe_every_s: float,
-                  hostile_weight: float = 1.0) -> tuple[Counter, list[float]]:
-    """(kind, status) counts of `clients` clients for `seconds`, and the probe's latencies meanwhile."""
+                  hostile_weight: float = 1.0, phase_seconds: float | None = None
+                  ) -> tuple[Counter, list[float], list[float]]:
+    """(kind, status) counts of `clients` clients for `seconds`, and the probe's latencies meanwhile: in the hostile
+    phases (all of them without `phase_seconds`) and in the twin phases."""
     counts: Counter = Counter()
     latencies: list[float] = []
+    twin_latencies: list[float] = []
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        until = time.monotonic() + seconds
-        loops = [Client(http, random.Random(seed + i), adapters, extra, counts, hostile, hostile_weight)
+        start = time.monotonic()
+        until = start + seconds
+        phases = Phases(start, phase_seconds) if phase_seconds and hostile else None
+        loops = [Client(http, random.Random(seed + i), adapters, extra, counts, hostile, hostile_weight, phases)
                  for i in range(clients)]
-        await asyncio.gather(probe(http, until, probe_every_s, latencies, counts), *(c.run(until) for c in loops))
-    return counts, latencies
+        await asyncio.gather(probe(http, until, probe_every_s, latencies, counts, phases, twin_latencies),
+                             *(c.run(until) for c in loops))
+    return counts, latencies, twin_latencies
 
 
 def slowdown(warmup: list[float], latencies: list[float]) -> dict[str, float | None]:
@@ -267,6 +333,21 @@ def slowdown(warmup: list[float], latencies: list[float]) -> dict[str, float | N
     return {"baseline_p50_ms": round(base * 1e3, 1), "p50_ms": round(statistics.median(latencies) * 1e3, 1),
             "worst_ms": round(max(latencies) * 1e3, 1),
             "p50_ratio": round(statistics.median(latencies) / base, 2), "worst_ratio": round(max(latencies) / base, 2)}
+
+
+def side_by_side(twin: list[float], hostile: list[float]) -> dict[str, float | None]:
+    """The probe's latencies in the hostile phases against the twin phases of the same run: median, 95th percentile
+    and worst of each (ms), and each hostile figure over its twin."""
+    if not twin or not hostile:
+        return {"worst_ratio": None}
+    def stats(values: list[float]) -> dict[str, float]:
+        ordered = sorted(values)
+        return {"p50": statistics.median(ordered), "p95": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+                "worst": ordered[-1]}
+    a, b = stats(twin), stats(hostile)
+    return {**{f"twin_{k}_ms": round(v * 1e3, 1) for k, v in a.items()},
+            **{f"hostile_{k}_ms": round(v * 1e3, 1) for k, v in b.items()},
+            **{f"{k}_ratio": round(b[k] / a[k], 2) for k in a}, "probes": [len(twin), len(hostile)]}
 
 
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -294,19 +375,23 @@ def server_errors(counts: Counter) -> dict:
     for (kind, status), n in counts.items():
         if status.startswith("5"):
             by_kind[kind] += n
-    return {"total": sum(n for kind, n in by_kind.items() if not kind.startswith("hostile:")),
+    return {"total": sum(n for kind, n in by_kind.items() if not kind.startswith(("hostile:", "twin:"))),
             "by_kind": dict(sorted(by_kind.items()))}
 
 
 def checks(counts: Counter, idle: dict, rss_warm: dict, rss_end: dict, max_loras: int, tolerance: float,
            probe_slowdown: dict, max_slowdown: float) -> dict:
+    """What a long-running server must keep true; `probe_slowdown`'s worst_ratio: the hostile neighbours' slow-down
+    (side_by_side, or against the warm-up's median where the soak had no twin phases)."""
     errors = server_errors(counts)
     bad_not_4xx = sum(n for (kind, status), n in counts.items() if kind == "bad" and not status.startswith("4"))
     hostile_not_2xx_4xx = sum(n for (kind, status), n in counts.items()
                               if kind == "hostile" and status[:1] not in ("2", "4"))
+    twin_not_2xx = sum(n for (kind, status), n in counts.items() if kind == "twin" and status[:1] != "2")
     worst = probe_slowdown["worst_ratio"]
     return {"no_5xx": errors["total"] == 0, "bad_requests_got_4xx": bad_not_4xx == 0,
             "hostile_requests_got_2xx_or_4xx": hostile_not_2xx_4xx == 0,
+            "twin_requests_got_2xx": twin_not_2xx == 0,
             "plain_request_slowdown_within": worst is not None and worst <= max_slowdown,
             "idle_requests_zero": not (idle["gauges"]["vllm:num_requests_running"]
                                        or idle["gauges"]["vllm:num_requests_waiting"]),
@@ -328,7 +413,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-every-s", type=float, default=1.0, help="how often the plain request is timed")
     parser.add_argument("--max-slowdown", type=float, default=2.0,
-                        help="the plain request's worst latency over its warm-up median, at most")
+                        help="the plain request's worst latency in the hostile phases over its worst in the twin "
+                             "phases, at most")
+    parser.add_argument("--phase-seconds", type=float, default=30.0,
+                        help="hostile and twin phases alternate this often (the slow-down is taken between them)")
     parser.add_argument("--hostile-weight", type=float, default=1.0,
                         help="hostile requests' share of the mix, against 4 streams, 2 chats, 2 whole, 1 churn, 1 bad; "
                              "0 leaves them out")
@@ -344,15 +432,15 @@ def main(argv: list[str] | None = None) -> None:
             wait_healthy(url, server)
             adapters = list(assets["adapters"])
             hostile = hostile_requests(extra["extra-0"]) if args.hostile_weight > 0 else {}
-            warm, baseline = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra,
-                                                 args.seed, {}, args.probe_every_s))
+            warm, baseline, _ = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra,
+                                                    args.seed, {}, args.probe_every_s))
             rss_warm, samples = rss_mb(server), []
             sampler = threading.Thread(target=sample_rss, args=(server, samples, 60 * args.minutes), daemon=True)
             start = time.monotonic()
             sampler.start()
-            counts, latencies = asyncio.run(traffic(url, 60 * args.minutes, args.clients, adapters, extra,
-                                                    args.seed + 1000, hostile, args.probe_every_s,
-                                                    args.hostile_weight))
+            counts, latencies, twin_latencies = asyncio.run(traffic(
+                url, 60 * args.minutes, args.clients, adapters, extra, args.seed + 1000, hostile, args.probe_every_s,
+                args.hostile_weight, args.phase_seconds))
             seconds = time.monotonic() - start
             sampler.join()
             idle = idle_state(url)
@@ -361,10 +449,13 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             server.terminate()
             server.wait(30)
-    probe_slowdown = slowdown(baseline, latencies)
-    operations = sum(n for (kind, _), n in counts.items() if not kind.startswith("hostile:"))
+    beside = side_by_side(twin_latencies, latencies)
+    probe_slowdown = beside if beside["worst_ratio"] is not None else slowdown(baseline, latencies)
+    operations = sum(n for (kind, _), n in counts.items() if not kind.startswith(("hostile:", "twin:")))
     result = {"minutes": seconds / 60, "clients": args.clients, "warmup": _flat(warm), "counts": _flat(counts),
-              "operations": operations, "server_errors": server_errors(counts), "plain_request": probe_slowdown,
+              "operations": operations, "server_errors": server_errors(counts),
+              "plain_request_beside_hostile": beside,
+              "plain_request_against_warmup": slowdown(baseline, [*latencies, *twin_latencies]),
               "idle": idle, "rss_mb_after_warmup": rss_warm,
               "rss_mb_at_end": rss_end, "rss_mb_every_30_s": samples, "server_alive_at_end": alive,
               "checks": checks(counts, idle, rss_warm, rss_end, args.max_loras, args.rss_tolerance, probe_slowdown,
