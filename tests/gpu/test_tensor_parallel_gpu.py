@@ -13,10 +13,11 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
-import subprocess
+import signal
 import time
 import traceback
 
+import psutil
 import pytest
 import torch
 
@@ -92,6 +93,17 @@ def _call(conn, fn, args, dump_after: float) -> None:
 IN_PROCESS_TIMEOUT_S = float(os.environ.get("TP_TEST_TIMEOUT_S", 150))
 
 
+def signal_followers(pid: int, signum: int) -> None:
+    """Send `signum` to the follower ranks started under process `pid` (its descendants running
+    worker.ranks.follower), and to no other process on the host."""
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "worker.ranks.follower" in child.cmdline():
+                child.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass                # exited meanwhile
+
+
 def in_process(fn, *args, timeout: float = IN_PROCESS_TIMEOUT_S):
     """fn(*args) in a fresh spawned process; its result, or its traceback as a failure. A run that hangs has
     rank 0's stacks dumped to stderr shortly before the timeout, and the followers' (SIGUSR1) at it: run pytest
@@ -104,7 +116,7 @@ def in_process(fn, *args, timeout: float = IN_PROCESS_TIMEOUT_S):
     theirs.close()
     try:
         if not ours.poll(timeout):
-            subprocess.run(["pkill", "-USR1", "-f", "worker.ranks.follower"], check=False)
+            signal_followers(proc.pid, signal.SIGUSR1)
             time.sleep(2)
             pytest.fail(f"{fn.__name__} gave no result in {timeout} s (stacks on stderr)")
         status, value = ours.recv()
