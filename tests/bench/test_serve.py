@@ -308,5 +308,5 @@ def test_a_run_over_two_client_processes_adds_up_against_a_live_server(server):
     records, duration = asyncio.run(serve.run_processes(endpoint, specs, [0.0] * 6, 2, 2, 60.0))
     assert [r.adapter for r in records] == [s.adapter for s in specs]
     assert all(r.ok and r.output_tokens == 3 and r.prompt_tokens == s.prompt_len for r, s in zip(records, specs))
-    assert min(r.send_time for r in records) < 0.5
+    assert 0 <= min(r.send_time for r in records) < duration      # from the shared start, not a clock's origin
     assert max(r.send_time + r.e2el for r in records) <= duration + 1e-6

@@ -1,4 +1,5 @@
-"""/metrics with 1,000 adapters stays small and quick to render: the endpoint picker scrapes it every 50 ms.
+"""/metrics with 1,000 adapters stays small, and its render time grows in proportion to the adapters (no worse):
+the endpoint picker scrapes it every 50 ms.
 
 The worst case: every adapter has served requests (three `loraplex:` counters each) and waits in the queue
 (all named in `waiting_lora_adapters`). BENCHMARKS.md has the measured sizes and times.
@@ -18,7 +19,9 @@ NAMES = [f"adapter-{i:04d}" for i in range(NUM_ADAPTERS)]
 # and its name in the waiting list. Measured: 30.7 kB with no adapter, 318.7 kB with the thousand.
 MAX_FIXED_BYTES = 40_000
 MAX_BYTES_PER_ADAPTER = 320
-MAX_RENDER_SECONDS = 0.020         # measured: 3.8 ms; the picker scrapes every 50 ms
+# render time with 1,000 adapters over that with 100, each the median of interleaved renders: a fixed part plus
+# a part per adapter gives under 10 (measured: 3), a part per pair of adapters about 100 (measured: over 20)
+MAX_RENDER_RATIO_10X_ADAPTERS = 8
 
 
 def metrics_with_adapters(names: list[str]) -> Metrics:
@@ -54,15 +57,17 @@ def test_registered_adapters_without_requests_add_no_series():
     assert 'lora_name="' not in text and len(text.encode()) <= MAX_FIXED_BYTES
 
 
-def test_page_with_a_thousand_adapters_renders_well_within_the_scrape_interval():
-    metrics, stats = metrics_with_adapters(NAMES), busy_stats(NAMES)
-    metrics.render(stats)
-    times = []
+def test_render_time_grows_no_faster_than_the_adapters():
+    """A ratio of two render times on the same machine at the same moment, so it holds on any machine."""
+    pages = {n: (metrics_with_adapters(NAMES[:n]), busy_stats(NAMES[:n])) for n in (100, NUM_ADAPTERS)}
+    times: dict[int, list[float]] = {n: [] for n in pages}
     for _ in range(15):
-        start = time.perf_counter()
-        metrics.render(stats)
-        times.append(time.perf_counter() - start)
-    assert statistics.median(times) < MAX_RENDER_SECONDS
+        for n, (metrics, stats) in pages.items():
+            start = time.perf_counter()
+            metrics.render(stats)
+            times[n].append(time.perf_counter() - start)
+    ratio = statistics.median(times[NUM_ADAPTERS]) / statistics.median(times[100])
+    assert ratio < MAX_RENDER_RATIO_10X_ADAPTERS, ratio
 
 
 def test_an_unloaded_adapters_series_and_labels_go():

@@ -74,28 +74,36 @@ async def test_bytes_that_are_not_json_are_a_bad_request(route, raw, message):
     assert status == 400 and text.startswith(message.removesuffix("...")), text
 
 
-async def _health_latencies(http, busy: asyncio.Task) -> list[float]:
-    latencies = []
+async def _health_answer_times(http, busy: asyncio.Task) -> list[float]:
+    """When each /health probe was answered, probing every 10 ms until `busy` is done."""
+    answered = []
     while not busy.done():
-        start = time.perf_counter()
         assert (await http.get("/health")).status_code == 200
-        latencies.append(time.perf_counter() - start)
+        answered.append(time.perf_counter())
         await asyncio.sleep(0.01)
-    return latencies
+    return answered
 
 
 @pytest.mark.parametrize("route, body", [
     ("/tokenize", {"prompt": "the quick brown fox " * 100_000}),
     ("/tokenize", {"messages": [{"role": "user", "content": "the quick brown fox " * 100_000}]}),
     ("/v1/completions", {"prompt": "the quick brown fox " * 100_000, "max_tokens": 1}),
-    ("/detokenize", {"tokens": TOKENIZER.encode("the quick brown fox ") * 100_000}),
+    ("/detokenize", {"tokens": TOKENIZER.encode("the quick brown fox ") * 300_000}),
 ], ids=["tokenize-prompt", "tokenize-chat", "completion", "detokenize"])
-async def test_health_answers_within_100_ms_while_a_large_input_is_processed(route, body):
+async def test_health_answers_throughout_the_processing_of_a_large_input(route, body):
+    """The event loop never stalls for a third of the large request's time: tokenizing on the loop, or on a
+    thread that holds the GIL throughout, stalls it for most of that time (no answer at all, or a gap of 0.6 to
+    1.0 of it), against at most a sixth with the work off the loop. A ratio of two times of one run, so it holds
+    on a machine of any speed."""
     async with serve(max_request_body_bytes=64 << 20) as (http, _, _):
         raw = json.dumps({"model": BASE, **body}).encode()      # encoded here, not on the loop below
+        start = time.perf_counter()
         busy = asyncio.create_task(http.post(route, content=raw, headers={"Content-Type": "application/json"}))
         await asyncio.sleep(0)
-        latencies = await _health_latencies(http, busy)
+        answered = await _health_answer_times(http, busy)
+        end = time.perf_counter()
         response = busy.result()
     assert response.status_code in (200, 400), response.text      # 400: the completion's prompt is too long
-    assert len(latencies) >= 3 and max(latencies) < 0.1, latencies
+    times = [start, *answered, end]
+    longest_stall = max(b - a for a, b in zip(times, times[1:]))
+    assert len(answered) >= 3 and longest_stall < (end - start) / 3, (len(answered), longest_stall, end - start)

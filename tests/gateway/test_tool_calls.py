@@ -208,8 +208,9 @@ def random_value(rng: random.Random, depth: int = 0):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_streamed_calls_of_random_json_equal_the_whole_outputs(seed):
-    """Arguments of every shape, written with any spacing and escaping, in random pieces: the streamed
-    arguments are the whole output's, character for character."""
+    """Arguments of every shape, written with any spacing and escaping, in random pieces: the whole output's
+    calls are the generated ones (names, and arguments as JSON values), and the streamed arguments are the whole
+    output's, character for character."""
     rng = random.Random(seed)
     calls = [{"name": f"f{i}", "arguments": random_value(rng, 1) if rng.random() < 0.8 else {}} for i in range(3)]
 
@@ -219,10 +220,13 @@ def test_streamed_calls_of_random_json_equal_the_whole_outputs(seed):
 
     auto = "pre " + "\n".join(f"<tool_call>\n{dump(c)}\n</tool_call>" for c in calls)
     required = dump([{"name": c["name"], "parameters": c["arguments"]} for c in calls])
+    generated = [(c["name"], c["arguments"]) for c in calls]
     for tools, text in [(choice("auto"), auto), (choice("required"), required)]:
+        whole = whole_calls(tools, text)
+        assert [(name, json.loads(arguments)) for name, arguments in whole] == generated
         for pieces in [p for i, p in enumerate(chunkings(text)) if i not in (1, 2)]:   # characters, random
             content, deltas = stream_pieces(tools, pieces)
-            assert calls_of(deltas) == whole_calls(tools, text) and len(whole_calls(tools, text)) == 3
+            assert calls_of(deltas) == whole
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])

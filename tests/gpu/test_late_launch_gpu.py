@@ -18,6 +18,7 @@ from worker.ipc.messages import SamplingParams
 
 pytestmark = pytest.mark.gpu
 SPIN_MS = 5.0
+MAX_PACED_PERIOD_RATIO = 1.25     # a paced run's mean step period over an unpaced run's
 ROWS = [(7, None), (23, "r4-qv"), (5, "r8-all"), (40, None), (11, "r16-mlp-rs")]
 
 
@@ -81,7 +82,11 @@ def test_paced_steps_queue_behind_the_running_one_and_give_the_same_tokens(hf_mo
     assert len(paced) > len(delays) // 2
     assert max(paced) < SPIN_MS * 1e-3
     summary = engine._pacer._summary
-    assert summary._launches >= len(paced) - 1 and summary._late == 0   # the last delay has no step after it
-    # past the first steps, a paced step comes as often as an unpaced one: the device never waited for a launch
-    assert statistics.mean(periods[8:]) < 1.02 * statistics.mean(steps[8:])
+    # the device never waited for a launch (the pacer's own count, from the device's timings): the last delay has
+    # no step after it
+    assert summary._launches >= len(paced) - 1 and summary._late == 0
+    # past the first steps, paced steps come about as often as unpaced ones: two runs' wall clocks on a shared host
+    # differ by a few percent, a launch that waited out a whole extra step would add over half (a SPIN_MS step,
+    # under SPIN_MS of delay)
+    assert statistics.mean(periods[8:]) < MAX_PACED_PERIOD_RATIO * statistics.mean(steps[8:])
     assert tokens == expected

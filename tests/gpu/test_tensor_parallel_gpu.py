@@ -13,10 +13,13 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
-import subprocess
+import signal
+import sys
+import tempfile
 import time
 import traceback
 
+import psutil
 import pytest
 import torch
 
@@ -32,6 +35,7 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
                       ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_name, _value)          # multicast stays off, in every process started from here
 TIE = 1e-3        # logprob margin under which two tokens count as tied
+SYNC_DEBUG_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sync_debug_site")
 
 
 def make_engine(model_dir, device: str, dtype: str, tp: int, enforce_eager: bool = True,
@@ -64,19 +68,40 @@ def run(engine: Engine, tag: str = "r") -> dict[str, list]:
 def tp2_run(model_dir, dtype: str, enforce_eager: bool, max_num_seqs: int = 4, no_sync: bool = False,
             fully_sharded_loras: bool = False) -> dict:
     """One TP=2 engine's run (in its own process): ROWS as `run` gives them; with `no_sync`, a warm-up run first,
-    then the measured run under torch's sync debug mode set to error."""
+    then the measured run under torch's sync debug mode set to error on every rank."""
+    if no_sync:     # the follower ranks start with SYNC_DEBUG_SITE on their path: SIGUSR2 sets their mode
+        os.environ["LORAPLEX_TEST_SYNC_DEBUG_DIR"] = tempfile.mkdtemp(prefix="sync-debug-")
+        sys.path.insert(0, SYNC_DEBUG_SITE)
     engine = make_engine(model_dir, "cuda", dtype, 2, enforce_eager, max_num_seqs, fully_sharded_loras)
     try:
         if not no_sync:
             return run(engine)
         run(engine, "warm")
         torch.cuda.set_sync_debug_mode("error")
+        followers_error_on_sync()
         try:
             return run(engine)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     finally:
         engine.followers.close()
+
+
+def followers_error_on_sync(timeout_s: float = 60.0) -> None:
+    """Set torch's sync debug mode to "error" in this process's follower ranks (sync_debug_site/sitecustomize.py),
+    waiting until each says it did."""
+    folder = os.environ["LORAPLEX_TEST_SYNC_DEBUG_DIR"]
+    followers = signal_followers(os.getpid(), signal.SIGUSR2)
+    assert len(followers) == 1, followers                  # TP=2: one follower rank
+    paths = [os.path.join(folder, str(pid)) for pid in followers]
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(path) for path in paths):
+        assert time.monotonic() < deadline, f"a follower rank did not set its sync debug mode in {timeout_s} s"
+        time.sleep(0.01)
+    for path in paths:
+        with open(path) as f:
+            result = f.read()
+        assert result == "ok", f"follower {os.path.basename(path)}: {result}"
 
 
 def _call(conn, fn, args, dump_after: float) -> None:
@@ -92,6 +117,20 @@ def _call(conn, fn, args, dump_after: float) -> None:
 IN_PROCESS_TIMEOUT_S = float(os.environ.get("TP_TEST_TIMEOUT_S", 150))
 
 
+def signal_followers(pid: int, signum: int) -> list[int]:
+    """Send `signum` to the follower ranks started under process `pid` (its descendants running
+    worker.ranks.follower), and to no other process on the host; their process ids."""
+    signalled = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "worker.ranks.follower" in child.cmdline():
+                child.send_signal(signum)
+                signalled.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass                # exited meanwhile
+    return signalled
+
+
 def in_process(fn, *args, timeout: float = IN_PROCESS_TIMEOUT_S):
     """fn(*args) in a fresh spawned process; its result, or its traceback as a failure. A run that hangs has
     rank 0's stacks dumped to stderr shortly before the timeout, and the followers' (SIGUSR1) at it: run pytest
@@ -104,7 +143,7 @@ def in_process(fn, *args, timeout: float = IN_PROCESS_TIMEOUT_S):
     theirs.close()
     try:
         if not ours.poll(timeout):
-            subprocess.run(["pkill", "-USR1", "-f", "worker.ranks.follower"], check=False)
+            signal_followers(proc.pid, signal.SIGUSR1)
             time.sleep(2)
             pytest.fail(f"{fn.__name__} gave no result in {timeout} s (stacks on stderr)")
         status, value = ours.recv()

@@ -161,7 +161,8 @@ def test_logprobs_match_log_softmax_of_captured_logits(llama):
     engine.runner.execute = capture
     engine.add_request("a", prompt(6), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=5))
     outs = run_all(engine)["a"]
-    for out, logits in zip(outs, captured):
+    assert len(outs) == len(captured) == 3          # one output, one forward pass per token
+    for out, logits in zip(outs, captured, strict=True):
         ref = torch.log_softmax(logits[0].double(), -1)
         (lp,) = out.new_logprobs
         assert lp.token_id == out.new_token_ids[0] and lp.rank == 1

@@ -20,7 +20,10 @@ from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandRes
                                  RequestOutput, SamplingParams, Shutdown, ToGateway, TokenLogprob)
 from worker.ipc.shm_ring import ShmRing
 
-DELAY_S = 0.5     # the stand-in engine's launch delay: long enough for the test to act inside it
+DELAY_S = 0.5     # the stand-in engine's launch delay between two steps the test sees
+# a launch delay no test outlasts: a message answered, or a stop, while it lasts was applied during the wait
+ENDLESS_DELAY_S = 3600.0
+ANSWER_TIMEOUT_S = 30.0       # how long a test waits for the worker's answer: generous, far below ENDLESS_DELAY_S
 
 
 @pytest.fixture
@@ -78,10 +81,11 @@ def test_an_empty_step_sends_nothing(rings):
 
 
 class PacedEngine(FakeEngine):
-    """FakeEngine asking for DELAY_S between steps; records which requests each step gave a token."""
+    """FakeEngine asking for `delay` seconds between steps; records which requests each step gave a token."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, delay: float = DELAY_S):
         super().__init__(config)
+        self.delay = delay
         self.steps: list[list[str]] = []
 
     def step(self) -> list[RequestOutput]:
@@ -90,7 +94,7 @@ class PacedEngine(FakeEngine):
         return outputs
 
     def launch_delay(self) -> float:
-        return DELAY_S
+        return self.delay
 
 
 @dataclass
@@ -112,6 +116,13 @@ class Served:
 @pytest.fixture
 def served():
     with serving(PacedEngine(WorkerConfig(ModelConfig("unused")))) as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def waiting():
+    """A worker whose engine waits ENDLESS_DELAY_S after each step."""
+    with serving(PacedEngine(WorkerConfig(ModelConfig("unused")), ENDLESS_DELAY_S)) as gateway:
         yield gateway
 
 
@@ -150,7 +161,7 @@ def send(ring: ShmRing, message) -> None:
     assert ring.try_put(msgspec.msgpack.encode(message))
 
 
-def next_message(ring: ShmRing, kind: type, timeout: float = 5.0):
+def next_message(ring: ShmRing, kind: type, timeout: float = ANSWER_TIMEOUT_S):
     """The next message of type `kind` from the worker (others skipped)."""
     decoder = msgspec.msgpack.Decoder(ToGateway)
     deadline = time.monotonic() + timeout
@@ -170,43 +181,39 @@ def add(request_id: str) -> AddRequest:
 def test_a_request_arriving_during_the_wait_is_in_the_next_step(served):
     send(served.to_worker, add("a"))
     assert [o.request_id for o in next_message(served.from_worker, OutputBatch).outputs] == ["a"]
-    sent = time.monotonic()
     send(served.to_worker, add("b"))       # the worker now waits DELAY_S before its next step
     assert [o.request_id for o in next_message(served.from_worker, OutputBatch).outputs] == ["a", "b"]
     assert served.engine.steps == [["a"], ["a", "b"]]
-    assert time.monotonic() - sent < DELAY_S + 1.0
 
 
-def test_an_abort_during_the_wait_is_answered_at_once_and_ends_the_steps(served):
-    send(served.to_worker, add("a"))
-    next_message(served.from_worker, OutputBatch)
-    sent = time.monotonic()
-    send(served.to_worker, AbortRequest("a"))
-    send(served.to_worker, AdapterCommand(1, "list", ""))
-    aborted = next_message(served.from_worker, OutputBatch)
+def test_an_abort_during_the_wait_is_answered_at_once_and_ends_the_steps(waiting):
+    """Answered while the endless wait lasts; the engine is left with nothing to step."""
+    send(waiting.to_worker, add("a"))
+    next_message(waiting.from_worker, OutputBatch)
+    send(waiting.to_worker, AbortRequest("a"))
+    send(waiting.to_worker, AdapterCommand(1, "list", ""))
+    aborted = next_message(waiting.from_worker, OutputBatch)
     assert [(o.request_id, o.finish_reason) for o in aborted.outputs] == [("a", "abort")]
-    assert next_message(served.from_worker, AdapterCommandResult).ok
-    assert time.monotonic() - sent < DELAY_S / 2
-    time.sleep(DELAY_S + 0.1)
-    assert served.engine.steps == [["a"]]
+    assert next_message(waiting.from_worker, AdapterCommandResult).ok
+    assert not waiting.engine.has_unfinished() and waiting.engine.steps == [["a"]]
 
 
-def test_shutdown_during_the_wait_stops_the_worker_without_another_step(served):
-    send(served.to_worker, add("a"))
-    next_message(served.from_worker, OutputBatch)
-    send(served.to_worker, Shutdown())
-    served.thread.join(DELAY_S / 2)
-    assert not served.thread.is_alive() and not served.raised
-    assert served.engine.steps == [["a"]]
+def test_shutdown_during_the_wait_stops_the_worker_without_another_step(waiting):
+    send(waiting.to_worker, add("a"))
+    next_message(waiting.from_worker, OutputBatch)
+    send(waiting.to_worker, Shutdown())
+    waiting.thread.join(ANSWER_TIMEOUT_S)         # stopped inside the endless wait
+    assert not waiting.thread.is_alive() and not waiting.raised
+    assert waiting.engine.steps == [["a"]]
 
 
-def test_the_gateway_exiting_during_the_wait_stops_the_worker(served):
-    send(served.to_worker, add("a"))
-    next_message(served.from_worker, OutputBatch)
-    served.gateway_exits()
-    served.thread.join(DELAY_S / 2)
-    assert not served.thread.is_alive() and isinstance(served.raised[0], GatewayGone)
-    assert served.engine.steps == [["a"]]
+def test_the_gateway_exiting_during_the_wait_stops_the_worker(waiting):
+    send(waiting.to_worker, add("a"))
+    next_message(waiting.from_worker, OutputBatch)
+    waiting.gateway_exits()
+    waiting.thread.join(ANSWER_TIMEOUT_S)         # stopped inside the endless wait
+    assert not waiting.thread.is_alive() and isinstance(waiting.raised[0], GatewayGone)
+    assert waiting.engine.steps == [["a"]]
 
 
 class ReadingEngine(FakeEngine):
@@ -226,7 +233,7 @@ class ReadingEngine(FakeEngine):
 
 def test_an_idle_worker_files_background_work_until_it_ends_then_sleeps():
     with serving(ReadingEngine(WorkerConfig(ModelConfig("unused")), reads=5)) as gateway:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
         while gateway.engine.polls < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.1)             # no request came: the loop now sleeps without polling again

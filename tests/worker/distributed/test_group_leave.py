@@ -24,12 +24,17 @@ def test_leave_group_goes_on_when_the_shutdown_hangs(monkeypatch, caplog):
     release = threading.Event()
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", release.wait)
+    left: list[bool] = []
+    leaving = threading.Thread(target=lambda: left.append(group.leave_group(timeout=0.3)), daemon=True)
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger=group.__name__):
-        assert not group.leave_group(timeout=0.3)
-    assert 0.3 <= time.monotonic() - start < 3
-    assert "going on without it" in caplog.text
+        leaving.start()
+        leaving.join(60)             # generous: the shutdown itself never ends until released below
+    took = time.monotonic() - start
     release.set()
+    assert not leaving.is_alive() and left == [False]
+    assert took >= 0.3               # it waited its timeout first
+    assert "going on without it" in caplog.text
 
 
 def test_leave_group_without_a_group_does_nothing(monkeypatch):
