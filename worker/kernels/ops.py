@@ -62,16 +62,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_delta: torc
     """Paged attention of one layer: q and k (+ their part of qkv_delta) normed per head (qk_norm: Qwen3's
     (q_norm weight, k_norm weight, eps)), rotated, this step's K/V written into the cache, then attended.
     q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq, D]. On CUDA the first steps are one kernel (fused.rotary_store_kv)."""
+    run = triton_attention if q.is_cuda else reference_attention
+    return run(q, k, v, qkv_delta, kv_cache, batch, cos, sin, scale, qk_norm, kernels.programmatic_launch)
+
+
+def triton_attention(q, k, v, qkv_delta, kv_cache, batch: ForwardBatch, cos, sin, scale: float, qk_norm,
+                     programmatic_launch: bool) -> torch.Tensor:
+    """`attention` by the Triton kernels (the CUDA path; the CPU's Triton interpreter runs it in tests)."""
+    from worker.kernels.attention import paged_attention
+    from worker.kernels.fused import rotary_store_kv
     k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
-    if q.is_cuda:
-        from worker.kernels.attention import paged_attention
-        from worker.kernels.fused import rotary_store_kv
-        pdl = kernels.programmatic_launch
-        rotary_store_kv(batch.positions, q, k, v, cos, sin, k_cache, v_cache, batch.kv_slot_mapping, qkv_delta,
-                        programmatic_launch=pdl, qk_norm=qk_norm)
-        return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                               scale, batch.num_seqs, batch.max_query_len, programmatic_launch=pdl)
+    rotary_store_kv(batch.positions, q, k, v, cos, sin, k_cache, v_cache, batch.kv_slot_mapping, qkv_delta,
+                    programmatic_launch=programmatic_launch, qk_norm=qk_norm)
+    return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                           scale, batch.num_seqs, batch.max_query_len, programmatic_launch=programmatic_launch)
+
+
+def reference_attention(q, k, v, qkv_delta, kv_cache, batch: ForwardBatch, cos, sin, scale: float, qk_norm,
+                        programmatic_launch: bool = False) -> torch.Tensor:
+    """`attention` by the torch references (the CPU's), from the batch's host copies."""
     assert qkv_delta is None, "deferred LoRA deltas exist on CUDA only"
+    k_cache, v_cache = kv_cache
     if qk_norm is not None:
         q, k = reference.rms_norm(q, qk_norm[0], qk_norm[2]), reference.rms_norm(k, qk_norm[1], qk_norm[2])
     reference.rotary(batch.positions, q, k, cos, sin)

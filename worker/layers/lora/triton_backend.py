@@ -86,7 +86,8 @@ class TritonLoRA(LoRABackend):
         from worker.kernels.moe_lora import MoELoRAStep
         # the kernels' grids follow max_rank; a CUDA graph replays them for any adapter mix, so it is captured at
         # the slots' R (a capture step's own ranks are those of whatever the slots held then)
-        max_rank = block.lora.down_a.shape[2] if torch.cuda.is_current_stream_capturing() else info.max_rank
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        max_rank = block.lora.down_a.shape[2] if capturing else info.max_rank
         step = MoELoRAStep(block.lora, info.token_lora_slots, info.ranks, max_rank, block.lora_workspace)
         gate_up, down = block.experts.matrices()
         return fused_moe(x, logits, gate_up, down, block.top_k, block.renormalize, block.float32_weights,
