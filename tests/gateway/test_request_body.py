@@ -91,10 +91,10 @@ async def _health_answer_times(http, busy: asyncio.Task) -> list[float]:
     ("/detokenize", {"tokens": TOKENIZER.encode("the quick brown fox ") * 300_000}),
 ], ids=["tokenize-prompt", "tokenize-chat", "completion", "detokenize"])
 async def test_health_answers_throughout_the_processing_of_a_large_input(route, body):
-    """The event loop never stalls for a third of the large request's time: tokenizing on the loop, or on a
-    thread that holds the GIL throughout, stalls it for most of that time (no answer at all, or a gap of 0.6 to
-    1.0 of it), against at most a sixth with the work off the loop. A ratio of two times of one run, so it holds
-    on a machine of any speed."""
+    """The event loop never stalls for half the large request's time: tokenizing on the loop, or on a thread that
+    holds the GIL throughout, stalls it for most of that time (no answer at all, or a gap of 0.6 to 1.0 of it),
+    against a sixth with the work off the loop on an idle 2-core machine and a third with a second test suite running
+    beside it. A ratio of two times of one run, so it holds on a machine of any speed."""
     async with serve(max_request_body_bytes=64 << 20) as (http, _, _):
         raw = json.dumps({"model": BASE, **body}).encode()      # encoded here, not on the loop below
         start = time.perf_counter()
@@ -106,4 +106,4 @@ async def test_health_answers_throughout_the_processing_of_a_large_input(route, 
     assert response.status_code in (200, 400), response.text      # 400: the completion's prompt is too long
     times = [start, *answered, end]
     longest_stall = max(b - a for a, b in zip(times, times[1:]))
-    assert len(answered) >= 3 and longest_stall < (end - start) / 3, (len(answered), longest_stall, end - start)
+    assert len(answered) >= 3 and longest_stall < (end - start) / 2, (len(answered), longest_stall, end - start)
