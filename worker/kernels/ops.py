@@ -99,14 +99,14 @@ def host_routing(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize:
     return (weights if float32_weights else weights.to(x.dtype)), ids
 
 
-def sparse_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                   renormalize: bool, float32_weights: bool, workspace, kernels: KernelChoices) -> torch.Tensor:
-    """sum over each token's top-k experts of weight * expert(x): x [T, H], logits [T, E], gate_up [E, 2I, H],
-    down [E, H, I] -> [T, H]. CUDA runs kernels/fused_moe.py once the model runner has attached its `workspace`
+def sparse_experts(x: torch.Tensor, logits: torch.Tensor, experts, top_k: int, renormalize: bool,
+                   float32_weights: bool, workspace, kernels: KernelChoices) -> torch.Tensor:
+    """sum over each token's top-k experts of weight * expert(x): x [T, H], logits [T, E], `experts` a
+    layers/weights/scheme.ExpertMatrices (gate_up [E, 2I, H], down [E, H, I]) -> [T, H]. CUDA runs kernels/fused_moe.py once the model runner has attached its `workspace`
     (kernels/fused_moe.MoEWorkspace); until then, and on the CPU, the reference routes on the host."""
     if x.is_cuda and workspace is not None:
         from worker.kernels.fused_moe import fused_moe
-        return fused_moe(x, logits, gate_up, down, top_k, renormalize, float32_weights, workspace,
+        return fused_moe(x, logits, experts.gate_up, experts.down, top_k, renormalize, float32_weights, workspace,
                          programmatic_launch=kernels.programmatic_launch)
     weights, ids = host_routing(x, logits, top_k, renormalize, float32_weights)
-    return reference.moe_experts(x, gate_up, down, weights, ids)
+    return reference.moe_experts(x, experts.gate_up, experts.down, weights, ids)

@@ -28,7 +28,7 @@ from worker.kernels import ops
 from worker.kernels.choices import KernelChoices
 from worker.layers.linear import Linear
 from worker.layers.lora.deferred import resolved
-from worker.layers.weights.scheme import ExpertsScheme
+from worker.layers.weights.scheme import ExpertMatrices, ExpertsScheme
 from worker.layers.weights.unquantized import UnquantizedExperts
 from worker.lora.weights import MoELoRAWeights
 
@@ -72,8 +72,8 @@ class FusedExperts(nn.Module):
                              f"model shape {full}")
         self.scheme.load_expert(self, expert, part, tensor)
 
-    def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, 2I, H], down [E, H, I]) as the expert kernels read them."""
+    def matrices(self) -> ExpertMatrices:
+        """The experts' weights as the expert kernels read them (layers/weights/scheme.py)."""
         return self.scheme.matrices(self)
 
 
@@ -119,8 +119,7 @@ class SparseMoE(nn.Module):
         if self.lora is not None and lora is not None and lora.max_rank > 0:
             out = self.kernels.lora.experts(self, x, logits, lora)
         else:
-            gate_up, down = self.experts.matrices()
-            out = ops.sparse_experts(x, logits, gate_up, down, self.top_k, self.renormalize, self.float32_weights,
+            out = ops.sparse_experts(x, logits, self.experts.matrices(), self.top_k, self.renormalize, self.float32_weights,
                                      self.workspace, self.kernels)
         if self.shared_expert is not None:
             shared = resolved(self.shared_expert(x, batch))                     # [num_tokens, hidden]

@@ -26,8 +26,8 @@ class ReferenceLoRA(LoRABackend):
 
     def experts(self, block, x: torch.Tensor, logits: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         weights, ids = ops.host_routing(x, logits, block.top_k, block.renormalize, block.float32_weights)
-        gate_up, down = block.experts.matrices()
-        return reference.moe_lora_experts(x, gate_up, down, weights, ids, info.token_lora_slots_host,
+        m = block.experts.matrices()
+        return reference.moe_lora_experts(x, m.gate_up, m.down, weights, ids, info.token_lora_slots_host,
                                           expert_slots(block, info))
 
 

@@ -89,6 +89,6 @@ class TritonLoRA(LoRABackend):
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         max_rank = block.lora.down_a.shape[2] if capturing else info.max_rank
         step = MoELoRAStep(block.lora, info.token_lora_slots, info.ranks, max_rank, block.lora_workspace)
-        gate_up, down = block.experts.matrices()
-        return fused_moe(x, logits, gate_up, down, block.top_k, block.renormalize, block.float32_weights,
+        m = block.experts.matrices()
+        return fused_moe(x, logits, m.gate_up, m.down, block.top_k, block.renormalize, block.float32_weights,
                          block.workspace, lora=step, programmatic_launch=block.kernels.programmatic_launch)

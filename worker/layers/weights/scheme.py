@@ -7,6 +7,7 @@ checkpoint tensor the scheme names (`weight_scale`, ...) has a place, and one it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,22 @@ import torch
 if TYPE_CHECKING:
     from worker.layers.linear import Linear
     from worker.layers.sparse_moe import FusedExperts
+
+
+@dataclass(frozen=True)
+class ExpertMatrices:
+    """Every expert's base weights as the expert kernels read them: in the compute dtype (scales None), or in
+    float8_e4m3fn with float32 scales that multiply, per output row ([E, rows]) or per (block_n x block_k) block
+    ([E, ceil(rows / block_n), ceil(cols / block_k)]) when `block` is set."""
+    gate_up: torch.Tensor                         # [E, 2I, H]: gate rows, then up rows
+    down: torch.Tensor                            # [E, H, I]
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None          # (block_n, block_k) of block-wise scales; None: per output row
+
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up_scale is not None
 
 
 class LinearScheme(ABC):
@@ -69,5 +86,5 @@ class ExpertsScheme(ABC):
         """Copy this rank's share of one expert's checkpoint matrix (part "gate", "up" or "down") into place."""
 
     @abstractmethod
-    def matrices(self, experts: FusedExperts) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, 2I, H], down [E, H, I]) in the compute dtype, as the expert kernels read them."""
+    def matrices(self, experts: FusedExperts) -> ExpertMatrices:
+        """The experts' weights as the expert kernels read them."""

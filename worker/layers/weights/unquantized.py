@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from worker.kernels import ops
-from worker.layers.weights.scheme import ExpertsScheme, LinearScheme
+from worker.layers.weights.scheme import ExpertMatrices, ExpertsScheme, LinearScheme
 
 
 class UnquantizedLinear(LinearScheme):
@@ -59,5 +59,5 @@ class UnquantizedExperts(ExpertsScheme):
                   "down": experts.down_proj[expert]}[part]
         target.copy_(tensor.narrow(1 if part == "down" else 0, *experts.intermediate_shard))
 
-    def matrices(self, experts) -> tuple[torch.Tensor, torch.Tensor]:
-        return experts.gate_up_proj, experts.down_proj
+    def matrices(self, experts) -> ExpertMatrices:
+        return ExpertMatrices(experts.gate_up_proj, experts.down_proj)
