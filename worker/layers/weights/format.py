@@ -65,10 +65,12 @@ class WeightFormat:
         return specs.pop()
 
     def _spec_of(self, name: str) -> Fp8Spec | None:
-        if self.ignored(name):
+        # Mixtral's sparse block is `block_sparse_moe` in transformers 4 checkpoints and `mlp` in 5's
+        spellings = {name, name.replace(".block_sparse_moe.", ".mlp.")}
+        if any(self.ignored(n) for n in spellings):
             return None
         for group in self.groups:
-            if group.targets(name):
+            if any(group.targets(n) for n in spellings):
                 return group.spec
         return None
 

@@ -282,9 +282,12 @@ class Fp8Experts(ExpertsScheme):
                 continue
             if tensor_name == "weight" or self.spec.weights == "channel":
                 gate, up = tensor[e].split(i)
-            else:
-                nb = -(-i // self.spec.block[0])
-                gate, up = tensor[e][:nb], tensor[e][nb:]
+            else:     # one block grid over the fused [2I, H]: gate's and up's blocks only when I is whole blocks
+                bn = self.spec.block[0]
+                if i % bn:
+                    raise ValueError(f"fused {name} with block scales over gate and up together needs the expert "
+                                     f"intermediate size ({i}) to be a multiple of {bn}")
+                gate, up = tensor[e][:i // bn], tensor[e][i // bn:2 * i // bn]
             self.load_expert(experts, e, "gate", gate, tensor_name)
             self.load_expert(experts, e, "up", up, tensor_name)
 
