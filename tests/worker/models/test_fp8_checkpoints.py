@@ -135,7 +135,7 @@ def test_fp8_checkpoint_matches_hf_peft_on_the_dequantized_weights(sources, tmp_
                         rtol(checkpoint.path), f"{arch}, {fmt}")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_online_fp8_matches_hf_peft_on_weights_rounded_through_e4m3(sources, tmp_path, arch):
     """`--quantization fp8` on a float32 checkpoint: every projection of the decoder layers (experts included;
     routers, embeddings and lm_head not) quantized per output row with scale amax / 448 in float32."""
