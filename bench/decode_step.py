@@ -77,9 +77,9 @@ def copy_bandwidth(num_bytes: int = 4 << 30, iters: int = 20) -> float:
 
 def build_engine(model: str, max_seqs: int, max_loras: int, eager: bool, async_scheduling: bool = True,
                  kernels: KernelConfig = KernelConfig(), mixed_graph_max_tokens: int = 1024,
-                 kv_bytes: int = 6 << 30) -> Engine:
+                 kv_bytes: int = 6 << 30, quantization: str | None = None) -> Engine:
     return Engine(WorkerConfig(
-        ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
+        ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096, quantization=quantization),
         cache=CacheConfig(kv_cache_memory_bytes=kv_bytes),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096), kernels=kernels,
@@ -238,6 +238,9 @@ def main() -> None:
     parser.add_argument("--model", default="bench/configs/llama-3.1-8b")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="quantize the weights to FP8 at load (an FP8 config such as "
+                             "bench/configs/llama-3.1-8b-fp8-dynamic needs none)")
     parser.add_argument("--profile", action="store_true", help="also record per-kernel device time per step")
     parser.add_argument("--modes", nargs="+", choices=list(MODE_RUNS),
                         default=[mode for mode in MODE_RUNS if not mode.startswith("graphs-large")],
@@ -257,7 +260,7 @@ def main() -> None:
             engine = build_engine(args.model, sizes["max_seqs"], sizes["max_loras"], eager=mode == "eager",
                                   async_scheduling=mode != "graphs-sync",
                                   kernels=MODE_KERNELS.get(mode, KernelConfig()),
-                                  kv_bytes=sizes.get("kv_bytes", 6 << 30))
+                                  kv_bytes=sizes.get("kv_bytes", 6 << 30), quantization=args.quantization)
             for i, path in enumerate(adapters[:sizes["max_loras"]]):
                 engine.add_adapter(f"a{i}", path)
             base = weight_bytes(engine)

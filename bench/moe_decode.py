@@ -72,9 +72,9 @@ def model_dir(source: str, num_layers: int | None, tmp: Path) -> str:
     return str(tmp / "model")
 
 
-def build_engine(model: str, eager: bool, lora_side_stream: bool = True) -> Engine:
+def build_engine(model: str, eager: bool, lora_side_stream: bool = True, quantization: str | None = None) -> Engine:
     return Engine(WorkerConfig(
-        ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=2048),
+        ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=2048, quantization=quantization),
         cache=CacheConfig(kv_cache_memory_bytes=4 << 30),
         lora=LoRAConfig(max_loras=8, max_lora_rank=RANK),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048),
@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--lora-in-line", action="store_true",
                         help="attention LoRA in line with its GEMVs instead of on a second stream (KernelConfig)")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of every run's graph steps")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="quantize the weights to FP8 at load (bench/configs/qwen3-30b-a3b-fp8 needs none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -103,7 +105,8 @@ def main() -> None:
         adapters = [str(make_adapter(Path(tmp) / f"a{i}", arch, RANK, TARGETS, seed=i, device="cuda"))
                     for i in range(8)]
         for mode in args.modes:
-            engine = build_engine(model, eager=mode == "eager", lora_side_stream=not args.lora_in_line)
+            engine = build_engine(model, eager=mode == "eager", lora_side_stream=not args.lora_in_line,
+                                  quantization=args.quantization)
             for i, path in enumerate(adapters):
                 engine.add_adapter(f"a{i}", path)
             for name, (batch, names) in RUNS.items():

@@ -31,6 +31,11 @@ class ModelConfig:
     max_model_len: int | None = field(default=None, metadata=flag(
         "--max-model-len", type=int, help="default: from config.json"))
     seed: int = field(default=0, metadata=flag("--seed", type=int))
+    # None: the checkpoint's own format (config.json's quantization_config); fp8: quantize a full-precision
+    # checkpoint's projections to E4M3 at load (layers/weights/format.py)
+    quantization: str | None = field(default=None, metadata=flag(
+        "--quantization", "-q", choices=("fp8", "compressed-tensors"),
+        help="fp8: quantize the weights to FP8 at load; default: the checkpoint's quantization_config"))
     # the tokenizer the gateway encodes with and grammars are compiled for; None: `path`
     tokenizer: str | None = field(default=None, metadata=flag(
         "--tokenizer", help="tokenizer directory; default: the model directory"))
@@ -147,6 +152,8 @@ class KernelConfig:
     lora_tile_map_max_tokens: int = 1 << 20   # mixed-batch graphs of at most this many tokens (default: all) run
                                               # LoRA over 16-row tiles from the host's tile map, K split in the
                                               # shrink; larger ones search their tiles (0: all of them search)
+    fp8_kernels: bool = True          # FP8 weights multiply as E4M3 on devices that have FP8 tensor cores (SM89+);
+                                      # False: dequantized to the compute dtype at load, as on the CPU
     lora_backend: str = "auto"        # what runs LoRA in the forward pass (layers/lora/): "triton" (CUDA),
                                       # "reference" (torch, the CPU's); auto: the device's
     one_shot_all_reduce_bytes: int = 4 << 20   # tensor parallelism: all-reduces up to this size sum over NVLink

@@ -25,6 +25,24 @@ class KernelChoices:
     # the LoRA backend (layers/lora/backend.py: KernelConfig.lora_backend chosen for the device), set by
     # models/builder.build_model; what every projection and sparse MoE block asks for its LoRA part
     lora: Any = None   # a layers/lora/backend.LoRABackend (layers/ sits above kernels/: named, not imported)
+    # the model's weight format (layers/weights/format.WeightFormat: which weight scheme each projection holds,
+    # resolved for the device), set by models/builder.build_model; None: every projection unquantized
+    weights: Any = None
+
+    def linear_scheme(self, names, router: bool = False):
+        """The weight scheme of a projection packing the checkpoint modules `names` (None: unquantized)."""
+        return None if self.weights is None else self.weights.linear(names, router)
+
+    def experts_scheme(self, name: str, modules: tuple[str, ...]):
+        """The weight scheme of the experts `name` ("model.layers.3.mlp.experts"), each expert's checkpoint
+        modules named `modules` ("gate_proj", "up_proj", "down_proj"; None: unquantized)."""
+        return None if self.weights is None else self.weights.experts(name, modules)
+
+    @staticmethod
+    def fp8_capable(config: KernelConfig, device: torch.device) -> bool:
+        """Whether FP8 weights stay E4M3 and multiply on FP8 tensor cores (SM89+; KernelConfig.fp8_kernels)."""
+        return (config.fp8_kernels and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) >= (8, 9))
 
     @classmethod
     def resolve(cls, config: KernelConfig, device: torch.device) -> KernelChoices:

@@ -40,24 +40,30 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 kernels: KernelChoices, scheme: LinearScheme | None = None):
+                 kernels: KernelChoices, scheme: LinearScheme | None = None, *,
+                 full_output_sizes: list[int] | None = None, output_shards: list[tuple[int, int]] | None = None,
+                 input_shard: tuple[int, int] | None = None, tp: TensorParallel = SINGLE,
+                 reduce_results: bool = True):
+        """A whole projection; column_parallel and row_parallel build a rank's shard (the geometry arguments)."""
         super().__init__()
         self.in_features = in_features
         self.output_sizes = list(output_sizes)
         self.slice_offsets = [0]
         for size in output_sizes:
             self.slice_offsets.append(self.slice_offsets[-1] + size)
+        self.kernels = kernels
+        self.tp: TensorParallel = tp
+        # each fused slice's rows in the checkpoint
+        self.full_output_sizes = list(full_output_sizes if full_output_sizes is not None else output_sizes)
+        self.output_shards = output_shards      # column-parallel: (start, length) per slice
+        self.input_shard = input_shard          # row-parallel: (start, length) of in_features
+        self.reduce_results = reduce_results    # row-parallel: all-reduce the partial sum here
+        # the weight scheme creates its parameters once the geometry above is known (block-wise scales follow it)
         self.scheme = scheme if scheme is not None else UnquantizedLinear()
         self.scheme.create_weights(self, dtype)
         out = self.slice_offsets[-1]
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.lora: LoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
-        self.kernels = kernels
-        self.tp: TensorParallel = SINGLE
-        self.full_output_sizes = list(output_sizes)      # each fused slice's rows in the checkpoint
-        self.output_shards: list[tuple[int, int]] | None = None   # column-parallel: (start, length) per slice
-        self.input_shard: tuple[int, int] | None = None           # row-parallel: (start, length) of in_features
-        self.reduce_results = True                                 # row-parallel: all-reduce the partial sum here
         # fully sharded LoRA (shard_lora_fully): the ranks it is split over, and this rank's (start, length) of
         # lora_A's rank rows (column-parallel) or of lora_B's output rows (row-parallel)
         self.lora_tp: TensorParallel = SINGLE
@@ -69,9 +75,8 @@ class Linear(nn.Module):
                         dtype: torch.dtype, kernels: KernelChoices, scheme: LinearScheme | None = None) -> "Linear":
         """This rank's rows [start, start + length) of each fused slice of `output_sizes` (`shards`, one per
         slice); no collective."""
-        linear = cls(in_features, [length for _, length in shards], bias, dtype, kernels, scheme)
-        linear.full_output_sizes, linear.output_shards = list(output_sizes), list(shards)
-        return linear
+        return cls(in_features, [length for _, length in shards], bias, dtype, kernels, scheme,
+                   full_output_sizes=list(output_sizes), output_shards=list(shards))
 
     @classmethod
     def row_parallel(cls, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
@@ -80,9 +85,8 @@ class Linear(nn.Module):
         """This rank's even share of `in_features`; forward all-reduces over `tp` (nothing at world size 1), or,
         with reduce_results=False, returns this rank's partial sum for the caller to all-reduce."""
         start, length = tp.split(in_features, "Input size of a row-parallel projection")
-        linear = cls(length, output_sizes, bias, dtype, kernels, scheme)
-        linear.tp, linear.input_shard, linear.reduce_results = tp, (start, length), reduce_results
-        return linear
+        return cls(length, output_sizes, bias, dtype, kernels, scheme, input_shard=(start, length), tp=tp,
+                   reduce_results=reduce_results)
 
     def full_rows(self) -> int:
         """Output rows of the whole checkpoint projection (every fused slice)."""
@@ -107,6 +111,10 @@ class Linear(nn.Module):
             self.copy_share(self.bias, tensor, shard, columns=False)
         else:
             self.scheme.load(self, param, shard, tensor)
+
+    def finish_loading(self) -> None:
+        """Every checkpoint tensor is in: the scheme settles the weight (layers/weights/scheme.py `finish`)."""
+        self.scheme.finish(self)
 
     def copy_share(self, target: torch.Tensor, tensor: torch.Tensor, shard: int | None, columns: bool) -> None:
         """Copy this rank's share of a checkpoint tensor whose rows are the projection's output rows into

@@ -62,15 +62,20 @@ class FusedExperts(nn.Module):
                              f"{self.full_shape(param)}")
         self.scheme.load(self, param, tensor)
 
-    def load_expert(self, param: str, expert: int, part: str, tensor: torch.Tensor) -> None:
-        """One expert's checkpoint matrix, this rank's share of it, into place; part: "gate" [I, H], "up" [I, H]
-        or "down" [H, I]."""
+    def load_expert(self, param: str, expert: int, part: str, tensor: torch.Tensor,
+                    tensor_name: str = "weight") -> None:
+        """One expert's checkpoint matrix (tensor_name "weight"; or a tensor beside it the scheme takes, such as
+        its FP8 scale), this rank's share of it, into place; part: "gate" [I, H], "up" [I, H] or "down" [H, I]."""
         h, i = self.hidden_size, self.full_intermediate_size
         full = (h, i) if part == "down" else (i, h)
-        if tuple(tensor.shape) != full:
+        if tensor_name == "weight" and tuple(tensor.shape) != full:
             raise ValueError(f"{param} expert {expert} {part}: checkpoint shape {tuple(tensor.shape)} != "
                              f"model shape {full}")
-        self.scheme.load_expert(self, expert, part, tensor)
+        self.scheme.load_expert(self, expert, part, tensor, tensor_name)
+
+    def finish_loading(self) -> None:
+        """Every checkpoint tensor is in: the scheme settles its weights (layers/weights/scheme.py `finish`)."""
+        self.scheme.finish(self)
 
     def matrices(self) -> ExpertMatrices:
         """The experts' weights as the expert kernels read them (layers/weights/scheme.py)."""
@@ -91,14 +96,20 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  float32_weights: bool, dtype: torch.dtype, kernels: KernelChoices,
-                 shared_expert: nn.Module | None = None, tp: TensorParallel = SINGLE):
+                 shared_expert: nn.Module | None = None, tp: TensorParallel = SINGLE,
+                 prefix: str = "model.layers.0.mlp", expert_modules: tuple[str, ...] = ("gate_proj", "up_proj",
+                                                                                          "down_proj")):
         super().__init__()
         self.top_k, self.renormalize, self.float32_weights = top_k, renormalize, float32_weights
         self.tp, self.kernels = tp, kernels
-        self.gate = Linear(hidden_size, [num_experts], False, dtype, kernels)      # the router; whole; never LoRA
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, tp)
+        # the router; whole; never LoRA
+        self.gate = Linear(hidden_size, [num_experts], False, dtype, kernels,
+                           kernels.linear_scheme([f"{prefix}.gate"], router=True))
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, tp,
+                                    kernels.experts_scheme(f"{prefix}.experts", expert_modules))
         self.shared_expert = shared_expert
-        self.shared_expert_gate = (Linear(hidden_size, [1], False, dtype, kernels)
+        self.shared_expert_gate = (Linear(hidden_size, [1], False, dtype, kernels,
+                                          kernels.linear_scheme([f"{prefix}.shared_expert_gate"], router=True))
                                    if shared_expert is not None else None)
         self.lora: MoELoRAWeights | None = None   # attached by the LoRA pool when adapters are enabled
         # the Triton path's workspaces (kernels/fused_moe.py MoEWorkspace, kernels/moe_lora.py MoELoRAWorkspace), set

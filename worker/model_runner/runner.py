@@ -131,7 +131,8 @@ class ModelRunner:
         self.plan: MemoryPlan | None = None     # None when the configuration fixes the KV pool's size
         free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         m, sched, cache = config.model, config.scheduler, config.cache
-        self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed, tp)
+        self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed, tp,
+                                 m.quantization)
         arch = dataclasses.replace(arch, num_kv_heads=self.model.num_kv_heads)   # the K/V this rank caches
         self.lora_pool = build_gpu_pool(self.model, config.lora, dtype, device, config.kernels.lora_side_stream)
         max_blocks = -(-max_model_len // cache.block_size)

@@ -28,7 +28,7 @@ class LlamaAttention(nn.Module):
     """This rank's query heads (an even share) and KV heads (TensorParallel.kv_heads) of the attention."""
 
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, prefix: str = "model.layers.0.self_attn"):
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
@@ -38,8 +38,10 @@ class LlamaAttention(nn.Module):
         kv_shard = (kv_start * d, self.kv_size)
         self.qkv_proj = Linear.column_parallel(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size],
                                                [(head_start * d, self.q_size), kv_shard, kv_shard], cfg.qkv_bias,
-                                               dtype, kernels)
-        self.o_proj = Linear.row_parallel(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype, kernels, tp)
+                                               dtype, kernels, kernels.linear_scheme(
+                                                   [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]))
+        self.o_proj = Linear.row_parallel(cfg.q_size, [cfg.hidden_size], cfg.o_bias, dtype, kernels, tp,
+                                          scheme=kernels.linear_scheme([f"{prefix}.o_proj"]))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
         qk_norm = (self.q_norm, self.k_norm) if cfg.qk_norm else None
@@ -65,13 +67,15 @@ class LlamaMLP(nn.Module):
     world size > 1, for the caller to all-reduce (Qwen2-MoE's shared expert: layers/sparse_moe.py)."""
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, kernels: KernelChoices, intermediate_size: int = 0,
-                 tp: TensorParallel = SINGLE, reduce_results: bool = True):
+                 tp: TensorParallel = SINGLE, reduce_results: bool = True, prefix: str = "model.layers.0.mlp"):
         super().__init__()
         i = intermediate_size or cfg.intermediate_size
         shard = tp.split(i, "Intermediate size")
-        self.gate_up_proj = Linear.column_parallel(cfg.hidden_size, [i, i], [shard, shard], cfg.mlp_bias, dtype,
-                                                   kernels)
-        self.down_proj = Linear.row_parallel(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels, tp, reduce_results)
+        self.gate_up_proj = Linear.column_parallel(
+            cfg.hidden_size, [i, i], [shard, shard], cfg.mlp_bias, dtype, kernels,
+            kernels.linear_scheme([f"{prefix}.gate_proj", f"{prefix}.up_proj"]))
+        self.down_proj = Linear.row_parallel(i, [cfg.hidden_size], cfg.mlp_bias, dtype, kernels, tp, reduce_results,
+                                             kernels.linear_scheme([f"{prefix}.down_proj"]))
         self.act = SiluAndMul(kernels)
 
     @staticmethod
@@ -92,9 +96,9 @@ class LlamaDecoderLayer(nn.Module):
     (layers/sparse_moe.py)."""
 
     def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype, kernels: KernelChoices,
-                 mlp: nn.Module, tp: TensorParallel = SINGLE):
+                 mlp: nn.Module, tp: TensorParallel = SINGLE, prefix: str = "model.layers.0"):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, kernels, tp)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, kernels, tp, f"{prefix}.self_attn")
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
@@ -127,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, dtype, kernels, self.build_mlp(i, dtype, kernels),
-                                                      tp)
+                                                      tp, f"model.layers.{i}")
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype,
@@ -140,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
 
     def build_mlp(self, layer: int, dtype: torch.dtype, kernels: KernelChoices) -> nn.Module:
         """The MLP of decoder layer `layer` (MoE models override it)."""
-        return LlamaMLP(self.cfg, dtype, kernels, tp=self.tp)
+        return LlamaMLP(self.cfg, dtype, kernels, tp=self.tp, prefix=f"model.layers.{layer}.mlp")
 
     @classmethod
     def lora_targets(cls, cfg: ArchConfig) -> LoRATargets:

@@ -26,16 +26,21 @@ class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder whose sparse layers route each token to its top-k experts."""
     # Mixtral multiplies by the float32 routing weights; Qwen casts them to the hidden dtype first
     float32_routing_weights = False
+    moe_module = "mlp"          # the sparse block's name in the checkpoint (Mixtral: block_sparse_moe) ...
+    expert_modules = ("gate_proj", "up_proj", "down_proj")     # ... and an expert's (Mixtral: w1, w3, w2)
 
     def build_mlp(self, layer: int, dtype: torch.dtype, kernels: KernelChoices) -> nn.Module:
         c = self.cfg
         if not c.is_sparse_layer(layer):
-            return LlamaMLP(c, dtype, kernels, tp=self.tp)
+            return LlamaMLP(c, dtype, kernels, tp=self.tp, prefix=f"model.layers.{layer}.mlp")
+        prefix = f"model.layers.{layer}.{self.moe_module}"
         # the shared expert's partial sum joins the routed experts' before the block's one all-reduce
-        shared = (LlamaMLP(c, dtype, kernels, c.shared_expert_intermediate_size, self.tp, reduce_results=False)
+        shared = (LlamaMLP(c, dtype, kernels, c.shared_expert_intermediate_size, self.tp, reduce_results=False,
+                           prefix=f"{prefix}.shared_expert")
                   if c.shared_expert_intermediate_size else None)
         return SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                         c.norm_topk_prob, self.float32_routing_weights, dtype, kernels, shared, self.tp)
+                         c.norm_topk_prob, self.float32_routing_weights, dtype, kernels, shared, self.tp, prefix,
+                         self.expert_modules)
 
     @classmethod
     def lora_targets(cls, cfg: ArchConfig) -> LoRATargets:
@@ -82,3 +87,5 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
 class MixtralForCausalLM(MoEForCausalLM):
     """Mixtral: top-k weights always renormalised and kept in float32 for the weighted sum."""
     float32_routing_weights = True
+    moe_module = "block_sparse_moe"
+    expert_modules = ("w1", "w3", "w2")

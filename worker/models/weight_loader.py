@@ -16,8 +16,12 @@ logger = logging.getLogger(__name__)
 
 # one expert's matrix in the per-expert layout (transformers 4, and what transformers 5 saves):
 # 'layers.3.mlp.experts.7.up_proj.weight', Mixtral 'layers.3.block_sparse_moe.experts.7.w3.weight'
+# (and, in FP8 checkpoints, its scales beside it: 'layers.3.mlp.experts.7.up_proj.weight_scale_inv')
 _EXPERT = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|weight_scale|weight_scale_inv|input_scale)$")
+# the other spelling of a tensor some FP8 writers use: transformers' per-tensor FP8 saves `weight_scale_inv` and
+# `activation_scale` where vLLM's and compressed-tensors' checkpoints say `weight_scale` and `input_scale`
+_ALIASES = {"weight_scale_inv": "weight_scale", "activation_scale": "input_scale"}
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -77,6 +81,8 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             continue
         name, shard = target
         if name not in targets:
+            name = _alias(name, targets)
+        if name not in targets:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
         module, param = targets[name]
         if hasattr(module, "load_shard"):
@@ -86,12 +92,27 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         loaded.add(name)
     num_experts = model.cfg.num_experts
     loaded |= {name for name, n in expert_parts.items()
-               if n == (2 * num_experts if name.endswith("gate_up_proj") else num_experts)}
+               if n == (2 * num_experts if ".gate_up_proj" in name else num_experts)}
     tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
     missing = set(targets) - loaded - tied
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     logger.info("loaded %d tensors from %s", len(loaded), model_dir)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Every checkpoint tensor is in (loaded, or drawn by --load-format dummy): each projection's weight scheme
+    settles its weights into the form they multiply in (FP8 dequantized on a device without FP8 kernels, ...)."""
+    for module in model.modules():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
+
+
+def _alias(name: str, targets: dict) -> str:
+    """`name` in the other spelling of an FP8 tensor (_ALIASES) when the model takes that one."""
+    prefix, _, leaf = name.rpartition(".")
+    other = f"{prefix}.{_ALIASES.get(leaf, leaf)}"
+    return other if other in targets else name
 
 
 def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None] | None:
@@ -110,14 +131,18 @@ def _our_name(model: nn.Module, hf_name: str) -> tuple[str, int | None] | None:
 
 
 def _load_expert(model: nn.Module, targets: dict, match: re.Match, tensor: torch.Tensor, hf_name: str) -> str:
-    """One expert's gate, up or down matrix into the fused experts; returns the fused tensor's name."""
+    """One expert's gate, up or down matrix (or a scale beside it) into the fused experts; returns the name of
+    the fused tensor it counts toward (the weights' scales: `gate_up_proj_scale_inv`, ...)."""
     layer, expert, part = int(match.group(1)), int(match.group(2)), _EXPERT_PART[match.group(3)]
+    tensor_name = match.group(4)
     name = f"layers.{layer}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
-    if name not in targets or expert >= model.cfg.num_experts:
+    counted = name if tensor_name == "weight" else f"{name}{tensor_name.removeprefix('weight')}"
+    if (counted not in targets and tensor_name != "input_scale") or name not in targets \
+            or expert >= model.cfg.num_experts:
         raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}")
     module, _ = targets[name]
-    module.load_expert(name, expert, part, tensor)
-    return name
+    module.load_expert(name, expert, part, tensor, tensor_name)
+    return counted
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:

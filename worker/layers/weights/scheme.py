@@ -54,6 +54,10 @@ class LinearScheme(ABC):
         """Copy this rank's share of the checkpoint tensor `name` (of fused slice `shard`; None: every slice, or an
         unfused projection) into place."""
 
+    def finish(self, layer: Linear) -> None:
+        """After every checkpoint tensor is loaded (or drawn by --load-format dummy): settle the weight into the
+        form it multiplies in. Nothing to do by default."""
+
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None,
               beside_lora: bool = False) -> torch.Tensor:
@@ -82,8 +86,13 @@ class ExpertsScheme(ABC):
         """Copy this rank's share of a whole fused checkpoint tensor into place."""
 
     @abstractmethod
-    def load_expert(self, experts: FusedExperts, expert: int, part: str, tensor: torch.Tensor) -> None:
-        """Copy this rank's share of one expert's checkpoint matrix (part "gate", "up" or "down") into place."""
+    def load_expert(self, experts: FusedExperts, expert: int, part: str, tensor: torch.Tensor,
+                    tensor_name: str = "weight") -> None:
+        """Copy this rank's share of one expert's checkpoint tensor (part "gate", "up" or "down"; tensor_name
+        "weight", or one the scheme takes beside it: "weight_scale", ...) into place."""
+
+    def finish(self, experts: FusedExperts) -> None:
+        """After every checkpoint tensor is loaded: settle the weights into the form they multiply in."""
 
     @abstractmethod
     def matrices(self, experts: FusedExperts) -> ExpertMatrices:

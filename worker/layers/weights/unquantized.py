@@ -53,7 +53,9 @@ class UnquantizedExperts(ExpertsScheme):
         else:
             target.copy_(tensor.narrow(2, *experts.intermediate_shard))
 
-    def load_expert(self, experts, expert: int, part: str, tensor: torch.Tensor) -> None:
+    def load_expert(self, experts, expert: int, part: str, tensor: torch.Tensor, tensor_name: str = "weight") -> None:
+        if tensor_name != "weight":
+            raise ValueError(f"unquantized experts take no checkpoint tensor {tensor_name!r}")
         i = experts.intermediate_shard[1]
         target = {"gate": experts.gate_up_proj[expert, :i], "up": experts.gate_up_proj[expert, i:],
                   "down": experts.down_proj[expert]}[part]
