@@ -36,7 +36,8 @@ CASES = [(arch, fmt) for arch in DENSE_ARCHS + MOE_ARCHS for fmt in FORMATS
 
 def rtol(model_dir) -> float:
     """The fp32 summation-order bound of tests/fp32_bounds.py, relative to the largest logit: 22 sums (10 a layer,
-    2 layers, + final norm and LM head) of at most 320 terms (the intermediate size) each, times eps: 8.4e-4. The
+    2 layers, + final norm and LM head) of at most 320 terms (the intermediate size) each, times eps: 8.4e-4 at
+    the partial-block sizes (1.0e-3 at the whole-block ones, intermediate 384). The
     reference computes with exactly the weights our model should hold after dequantizing, so nothing but the order
     of fp32 sums may part the two; a wrong scale layout, a scale divided instead of multiplied, a block misplaced at
     a partial edge or a shard requantized with another's scale moves the logits by 1e-2 and more (see
@@ -44,14 +45,10 @@ def rtol(model_dir) -> float:
     return forward_rtol(ArchConfig.from_dir(model_dir), max(n for n, _ in ROWS) + NUM_DECODE)
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, dict]:
-    """arch -> {"model": the float32 source (sizes with partial 128-blocks), "adapters": directories, slot order}:
-    the hf_fixtures adapters, and on MoE models also a PEFT adapter on the experts (target_parameters) and q_proj."""
-    root = tmp_path_factory.mktemp("fp8-sources")
+def _build_sources(root, archs, whole_blocks: bool = False) -> dict[str, dict]:
     out = {}
-    for arch in DENSE_ARCHS + MOE_ARCHS:
-        model_dir = build_fp8_source(arch, root)
+    for arch in archs:
+        model_dir = build_fp8_source(arch, root, whole_blocks)
         specs = MOE_ADAPTERS if arch in MOE_ARCHS else ADAPTERS
         adapters = [adapter_dir(model_dir, spec.name) for spec in specs]
         if arch in MOE_ARCHS:
@@ -59,6 +56,19 @@ def sources(tmp_path_factory) -> dict[str, dict]:
             save_peft_expert_adapter(model_dir, EXPERT_ADAPTER, adapters[-1], seed=400)
         out[arch] = {"model": model_dir, "adapters": adapters}
     return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, dict]:
+    """arch -> {"model": the float32 source (sizes with partial 128-blocks), "adapters": directories, slot order}:
+    the hf_fixtures adapters, and on MoE models also a PEFT adapter on the experts (target_parameters) and q_proj."""
+    return _build_sources(tmp_path_factory.mktemp("fp8-sources"), DENSE_ARCHS + MOE_ARCHS)
+
+
+@pytest.fixture(scope="module")
+def whole_block_sources(tmp_path_factory) -> dict[str, dict]:
+    """The MoE sources at sizes in whole 128-blocks (expert intermediate 128)."""
+    return _build_sources(tmp_path_factory.mktemp("fp8-whole-sources"), MOE_ARCHS, whole_blocks=True)
 
 
 def _prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -133,6 +143,18 @@ def test_fp8_checkpoint_matches_hf_peft_on_the_dequantized_weights(sources, tmp_
     model = build_model(checkpoint.path, torch.float32, CPU, "auto", MAX_POSITIONS, KernelConfig())
     assert_logits_close(our_logits(model, source["adapters"]), hf_logits(checkpoint.dequantized, source["adapters"]),
                         rtol(checkpoint.path), f"{arch}, {fmt}")
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_fused_fp8_experts_in_whole_blocks_match_hf_peft(whole_block_sources, tmp_path, arch):
+    """The fused layout where no 128-block of gate_up straddles the gate/up seam (2I = 256): scale rows split into
+    gate's and up's alike either way. (The partial-block cases above have I = 192: the fused grid's middle row of
+    blocks covers gate rows 128-191 and up rows 0-63.)"""
+    source = whole_block_sources[arch]
+    checkpoint = write_fp8_checkpoint(source["model"], "fp8-block-fused", tmp_path / "fused")
+    model = build_model(checkpoint.path, torch.float32, CPU, "auto", MAX_POSITIONS, KernelConfig())
+    assert_logits_close(our_logits(model, source["adapters"]), hf_logits(checkpoint.dequantized, source["adapters"]),
+                        rtol(checkpoint.path), f"{arch}, fp8-block-fused, whole blocks")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
