@@ -32,18 +32,21 @@ ADAPTERS = (
 )
 
 
-def _hf_config(arch: str):
+def _hf_config(arch: str, **dims):
+    """`dims` (hidden_size=..., head_dim=...) replace the tiny defaults."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0, initializer_range=0.1)
+    head_dim = dims.pop("head_dim", 24)
+    common.update(dims)
     if arch == "llama":
         return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 64})
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True)
-    return Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
+    return Qwen3Config(**common, head_dim=head_dim, tie_word_embeddings=False)
 
 
 def _randomize_extras(model: torch.nn.Module, gen: torch.Generator) -> None:
@@ -54,10 +57,12 @@ def _randomize_extras(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(p + 0.1 * torch.randn(p.shape, generator=gen))
 
 
-def build_hf_model(arch: str, root: Path) -> Path:
+def build_hf_model(arch: str, root: Path, **dims) -> Path:
+    """A tiny random checkpoint of `arch` (llama, qwen2, qwen3) in root/arch with ADAPTERS beside it; `dims`
+    replace the tiny sizes (hidden_size=..., intermediate_size=..., head_dim=... for Qwen3)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_hf_config(arch, **dims), dtype=torch.float32)
     _randomize_extras(model, torch.Generator().manual_seed(1))
     model_dir = root / arch
     model.save_pretrained(model_dir, safe_serialization=True)
@@ -111,26 +116,32 @@ MOE_ADAPTERS = (
 )
 
 
-def _hf_moe_config(arch: str):
-    """E=4 experts, top-2, hidden 64, expert intermediate 32, 2 layers; Qwen2-MoE's layer 1 stays dense."""
+def _hf_moe_config(arch: str, hidden_size: int = 64, moe_intermediate_size: int = 32, intermediate_size: int = 96,
+                   shared_expert_intermediate_size: int = 48, head_dim: int = 24):
+    """E=4 experts, top-2, 2 layers (hidden 64, expert intermediate 32 unless given); Qwen2-MoE's layer 1 stays
+    dense. Mixtral's experts take moe_intermediate_size as their intermediate_size."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0,
-                  initializer_range=0.1, num_experts_per_tok=2)
+    common = dict(vocab_size=320, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, eos_token_id=1,
+                  bos_token_id=0, initializer_range=0.1, num_experts_per_tok=2)
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32, intermediate_size=96,
-                              norm_topk_prob=True, head_dim=24, tie_word_embeddings=False)
+        return Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=moe_intermediate_size,
+                              intermediate_size=intermediate_size, norm_topk_prob=True, head_dim=head_dim,
+                              tie_word_embeddings=False)
     if arch == "mixtral":
-        return MixtralConfig(**common, num_local_experts=4, intermediate_size=32)
-    return Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=32, intermediate_size=96,
-                          shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1])
+        return MixtralConfig(**common, num_local_experts=4, intermediate_size=moe_intermediate_size)
+    return Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=moe_intermediate_size,
+                          intermediate_size=intermediate_size,
+                          shared_expert_intermediate_size=shared_expert_intermediate_size, norm_topk_prob=False,
+                          mlp_only_layers=[1])
 
 
-def build_hf_moe_model(arch: str, root: Path) -> Path:
-    """A tiny random MoE checkpoint as transformers saves it, with MOE_ADAPTERS (attention only) beside it."""
+def build_hf_moe_model(arch: str, root: Path, **dims) -> Path:
+    """A tiny random MoE checkpoint as transformers saves it, with MOE_ADAPTERS (attention only) beside it; `dims`
+    replace the tiny sizes (_hf_moe_config's keywords)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_moe_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_hf_moe_config(arch, **dims), dtype=torch.float32)
     _randomize_extras(model, torch.Generator().manual_seed(1))
     model_dir = root / arch
     model.save_pretrained(model_dir, safe_serialization=True)
