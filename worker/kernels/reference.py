@@ -158,7 +158,8 @@ def fp8_quantize_activations(x: torch.Tensor, group: int | None,
     if input_scale is not None:
         scale = input_scale.float().reshape(1, 1).expand(num_rows, num_groups).contiguous()
     else:
-        scale = x32.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR) / FP8_MAX
+        amax = x32.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
+        scale = amax / torch.full_like(amax, FP8_MAX)      # IEEE division: CUDA multiplies by 1/448 for a scalar
     q = (x32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(num_rows, -1)[:, :k], scale
 
