@@ -105,8 +105,12 @@ def scaled_mm_rowwise(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
 
 
 def rowwise_by_scaled_mm(num_rows: int, n: int, k: int) -> bool:
-    """Whether per-row scales go to torch._scaled_mm rather than the Triton kernel (its size constraints)."""
-    return k % 16 == 0 and n % 16 == 0
+    """Whether per-row scales go to torch._scaled_mm rather than the Triton kernel: where it can (K, N multiples of
+    16), except at up to 64 rows of a wide projection (48+ column tiles), where the Triton kernel was faster on an
+    H200 (BENCHMARKS.md, FP8 projections)."""
+    if k % 16 or n % 16:
+        return False
+    return not (num_rows <= 64 and triton.cdiv(n, 128) >= 48)
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
@@ -115,6 +119,6 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """x: [M, K] compute dtype -> y: [M, N] in x's dtype: x quantized per token (per row scales) or per 1 x bk
     group (block scales), or with the static input_scale [1], then the GEMM that serves the layout."""
     xq, x_scale = quantize_fp8(x, block[1] if block is not None else None, input_scale, programmatic_launch)
-    if block is None and rowwise_by_scaled_mm(*x.shape[:1], weight.shape[0], x.shape[1]):
+    if block is None and rowwise_by_scaled_mm(x.shape[0], weight.shape[0], x.shape[1]):
         return scaled_mm_rowwise(xq, x_scale, weight, weight_scale, bias, x.dtype)
     return w8a8_gemm(xq, x_scale, weight, weight_scale, block, bias, x.dtype)

@@ -69,16 +69,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, s
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def default_config(num_rows: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): gemv.default_config's rows and bytes of W per program per step, so
-    twice its columns (one byte a weight)."""
+def default_config(num_rows: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): one row: 8 rows of W by 1,024 columns a step (8 KB), the best or
+    within 4% of it at Llama-3.1-8B's projections on an H200 (BENCHMARKS.md, FP8 projections); more rows:
+    gemv.default_config's bytes of W a step."""
     block_m = triton.next_power_of_2(num_rows)
-    block_k = min(2048 // block_m, triton.next_power_of_2(k))
-    if block_m > 1:
-        block_n = 4
-    else:
-        block_n = 8 if k > 8192 else 2 if n * k <= 4096 * 4096 else 4
-    return block_m, block_n, block_k, 4
+    if block_m == 1:
+        return 1, 8, min(1024, triton.next_power_of_2(k)), 4
+    return block_m, 4, min(2048 // block_m, triton.next_power_of_2(k)), 4
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
@@ -95,7 +93,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     y = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
-    block_m, block_n, block_k, num_warps = config or default_config(num_rows, n, k)
+    block_m, block_n, block_k, num_warps = config or default_config(num_rows, k)
     bn, bk = block or (1, 1)
     if block is not None:
         block_n = min(block_n, bn & -bn)          # a program's rows in one row block
