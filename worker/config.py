@@ -143,6 +143,11 @@ class KernelConfig:
     gemv_row_limit: int = 2           # projections of at most this many rows run kernels/gemv.py (0: none)
     skinny_row_limit: int = 32        # larger ones up to this many rows kernels/skinny_gemm.py (0: none); cuBLAS
                                       # above
+    fp8_gemv_row_limit: int = 2       # FP8 projections of at most this many rows run kernels/fp8_gemv.py (0: none)
+    fp8_skinny_row_limit: int = 0     # larger ones up to this many rows (at most 64) kernels/fp8_skinny.py; both
+                                      # weight-only. Above, activations are quantized for the FP8 tensor cores
+                                      # (kernels/fp8_gemm.py), faster than the skinny GEMM at 8 and 32 rows on
+                                      # every 8B shape (BENCHMARKS.md, FP8 projections): 0 by default
     programmatic_launch: bool = True  # Hopper+: each Triton kernel of a step may start while the one before it
                                       # ends (kernels/pdl.py)
     lora_side_stream: bool = True     # each LoRA shrink (in decode graphs the expand too) runs on a second stream
@@ -169,6 +174,9 @@ class KernelConfig:
         if self.gemv_row_limit < 0 or self.skinny_row_limit < 0:
             raise ValueError(f"gemv_row_limit and skinny_row_limit must be >= 0 (0 turns the kernel off), got "
                              f"{self.gemv_row_limit} and {self.skinny_row_limit}")
+        if self.fp8_gemv_row_limit < 0 or self.fp8_skinny_row_limit < 0:
+            raise ValueError(f"fp8_gemv_row_limit and fp8_skinny_row_limit must be >= 0 (0 turns the kernel off), "
+                             f"got {self.fp8_gemv_row_limit} and {self.fp8_skinny_row_limit}")
 
 
 def parse_kernel_config(text: str) -> KernelConfig:

@@ -18,6 +18,8 @@ from worker.config import KernelConfig
 class KernelChoices:
     gemv_row_limit: int = 0            # projections of at most this many rows run kernels/gemv.py (0: none)
     skinny_row_limit: int = 0          # larger ones up to this many kernels/skinny_gemm.py (0: none); cuBLAS above
+    fp8_gemv_row_limit: int = 0        # FP8 projections of at most this many rows run kernels/fp8_gemv.py (0: none)
+    fp8_skinny_row_limit: int = 0      # larger ones up to this many kernels/fp8_skinny.py; W8A8 above
     programmatic_launch: bool = False  # Triton kernels launch with PDL (kernels/pdl.py); True only where the
                                        # device has it
     skinny_counters: torch.Tensor | None = None   # [skinny_gemm.NUM_COUNTERS] int32, the arrival counters every
@@ -49,11 +51,14 @@ class KernelChoices:
         """The choices of `config` that `device` can run; the skinny GEMM's counters are allocated here."""
         if device.type != "cuda":
             return cls()
-        from worker.kernels import gemv, pdl, skinny_gemm   # Triton; imported here so CPU installs need none
-        for name, rows, limit in (("gemv_row_limit", config.gemv_row_limit, gemv.MAX_ROWS),
-                                  ("skinny_row_limit", config.skinny_row_limit, skinny_gemm.MAX_ROWS)):
+        from worker.kernels import fp8_gemv, fp8_skinny, gemv, pdl, skinny_gemm   # Triton; imported here so CPU
+        for name, rows, limit in (("gemv_row_limit", config.gemv_row_limit, gemv.MAX_ROWS),   # installs need none
+                                  ("skinny_row_limit", config.skinny_row_limit, skinny_gemm.MAX_ROWS),
+                                  ("fp8_gemv_row_limit", config.fp8_gemv_row_limit, fp8_gemv.MAX_ROWS),
+                                  ("fp8_skinny_row_limit", config.fp8_skinny_row_limit, fp8_skinny.MAX_ROWS)):
             if rows > limit:
                 raise ValueError(f"KernelConfig.{name}={rows} is above what the kernel takes ({limit})")
         return cls(gemv_row_limit=config.gemv_row_limit, skinny_row_limit=config.skinny_row_limit,
+                   fp8_gemv_row_limit=config.fp8_gemv_row_limit, fp8_skinny_row_limit=config.fp8_skinny_row_limit,
                    programmatic_launch=pdl.active(device, config.programmatic_launch),
                    skinny_counters=skinny_gemm.new_counters(device) if config.skinny_row_limit else None)

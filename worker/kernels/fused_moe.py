@@ -21,7 +21,7 @@ import triton.language as tl
 
 from worker.kernels import moe_align, pdl
 from worker.kernels.fused import silu_and_mul
-from worker.kernels.moe_gemv import small_batch_moe
+from worker.kernels.moe_gemv import expert_scale_args, small_batch_moe
 from worker.kernels.moe_lora import add_down_lora, add_gate_up_lora
 
 SMALL_BATCH_MAX_TOKENS = 2      # T up to this runs kernels/moe_gemv.py (no sort, no tensor cores)
@@ -106,11 +106,16 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.c
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, sorted_ptr, block_expert_ptr, total_ptr, out_ptr, num_rows, n, k,
-                         stride_a, stride_we, stride_wn, stride_o, A_DIV: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         stride_a, stride_we, stride_wn, stride_o, s_ptr, stride_se, stride_sn, stride_sk,
+                         A_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
+                         SCALE_BK: tl.constexpr):
     """Semantics, tile b (slots [b*BLOCK_M, (b+1)*BLOCK_M) of sorted rows, all of expert e = block_expert[b]):
-        out[r, :n] = round(a[r // A_DIV] @ w[e].T)    for each real row r = sorted[slot] (pads: r = num_rows)
-    Tiles at or past total_padded exit at once.
+        out[r, :n] = round(a[r // A_DIV] @ W[e].T)    for each real row r = sorted[slot] (pads: r = num_rows)
+    with W = w (SCALES 0), or w float8_e4m3fn times float32 scales s (W8A16: each tile converted to a's dtype,
+    exact, and multiplied with a as it is): SCALES 1, per output row, W[e, j] = w[e, j] * s[e, j], the sum scaled at
+    the end; SCALES 2, per (SCALE_BN x SCALE_BK) block, W[e, j, c] = w[e, j, c] * s[e, j // SCALE_BN, c // SCALE_BK],
+    each BLOCK_K step's partial product scaled (BLOCK_K divides SCALE_BK). Tiles at or past total_padded exit at once.
     """
     b = tl.program_id(0)
     if b * BLOCK_M >= tl.load(total_ptr):
@@ -127,9 +132,18 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, sorted_ptr, block_expert_ptr, total_ptr, 
         k_mask = k0 + ks < k
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & (cols[None, :] < n), other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if SCALES == 0:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        elif SCALES == 1:
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        else:
+            s = tl.load(s_ptr + e * stride_se + (cols // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk,
+                        mask=cols < n, other=0.0)
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * s[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALES == 1:
+        acc *= tl.load(s_ptr + e * stride_se + cols * stride_sn, mask=cols < n, other=0.0)[None, :]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (cols[None, :] < n))
 
@@ -169,28 +183,35 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, ws: MoEWor
                                  **pdl.launch_options(router_logits.device, programmatic_launch))
 
 
-def _expert_matmul(a, w, out, num_rows: int, a_div: int, ws: MoEWorkspace, grouping: tuple[int, int]) -> None:
-    """out[r] = round(a[r // a_div] @ w[ids[r]].T) for flat rows r < num_rows; grouping: (block_m, n_blocks)
-    from moe_align.align_by_expert."""
+def _expert_matmul(a, w, out, num_rows: int, a_div: int, ws: MoEWorkspace, grouping: tuple[int, int],
+                   w_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
+    """out[r] = round(a[r // a_div] @ W[ids[r]].T) for flat rows r < num_rows, W = w (times w_scale when w is
+    FP8: moe_gemv.expert_scale_args); grouping: (block_m, n_blocks) from moe_align.align_by_expert."""
     n, k = w.shape[1], w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
     block_m, n_blocks = grouping
     block_n = 64 if block_m == _BLOCK_M_SMALL else 128
+    scale_args, scale_consts = expert_scale_args(w_scale, block, a)
     _grouped_gemm_kernel[(n_blocks, triton.cdiv(n, block_n))](
         a, w, ws.sorted_rows, ws.block_expert, ws.total_padded, out, num_rows, n, k, a.stride(0), w.stride(0),
-        w.stride(1), out.stride(0), A_DIV=a_div, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+        w.stride(1), out.stride(0), *scale_args, A_DIV=a_div, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=min(64, scale_consts["SCALE_BK"]) if block is not None else 64,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3, **scale_consts)
 
 
 def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool, float32_weights: bool,
-              ws: MoEWorkspace, lora=None, programmatic_launch: bool = True) -> torch.Tensor:
+              ws: MoEWorkspace, lora=None, programmatic_launch: bool = True, gate_up_scale=None, down_scale=None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, H]; router_logits [T, E]; gate_up [E, 2I, H]; down [E, H, I] -> out [T, H] (x.dtype; out may be
     allocated with torch.empty, it is the layer output). T <= ws.max_tokens (assert). lora: a
     kernels/moe_lora.MoELoRAStep or None; programmatic_launch: kernels/pdl.py (the small-batch chain).
+    FP8 experts: gate_up and down float8_e4m3fn, gate_up_scale / down_scale float32 per output row ([E, 2I],
+    [E, H]) or per block ([E, cdiv(2I, bn), cdiv(H, bk)], [E, cdiv(H, bn), cdiv(I, bk)]) with block = (bn, bk):
+    the GEMMs read them weight-only (x and the activations as they are, in their dtype).
 
     Semantics: reference.moe_route then reference.moe_experts (weights cast to x.dtype first unless
-    float32_weights), except that the K weighted terms are summed in float32 and rounded once (module
-    docstring, step 6)."""
+    float32_weights; FP8 experts: reference.fp8_moe_experts), except that the K weighted terms are summed in
+    float32 and rounded once (module docstring, step 6)."""
     num_tokens, hidden = x.shape
     inter = down.shape[2]
     assert num_tokens <= ws.max_tokens, f"{num_tokens} tokens exceed the MoE workspace's {ws.max_tokens}"
@@ -204,15 +225,15 @@ def fused_moe(x, router_logits, gate_up, down, top_k: int, renormalize: bool, fl
     topk_ids = ws.topk_ids[:num_tokens]                                      # [T, K]
     if num_tokens <= SMALL_BATCH_MAX_TOKENS:
         small_batch_moe(x, gate_up, down, ws.topk_weights[:num_tokens], topk_ids, float32_weights, act, out, lora,
-                        programmatic_launch)
+                        programmatic_launch, gate_up_scale=gate_up_scale, down_scale=down_scale, block=block)
         return out
     block_m = _block_m(rows, ws.num_experts)
     grouping = (block_m, moe_align.align_by_expert(ws.topk_ids, rows, ws.num_experts, block_m, ws))
-    _expert_matmul(x, gate_up, h, rows, top_k, ws, grouping)
+    _expert_matmul(x, gate_up, h, rows, top_k, ws, grouping, gate_up_scale, block)
     if lora is not None:
         add_gate_up_lora(h, x, topk_ids, lora)
     silu_and_mul(h, programmatic_launch=False, out=act)
-    _expert_matmul(act, down, y, rows, 1, ws, grouping)
+    _expert_matmul(act, down, y, rows, 1, ws, grouping, down_scale, block)
     if lora is not None:
         add_down_lora(y, act, topk_ids, lora)
     block = min(1024, triton.next_power_of_2(hidden))

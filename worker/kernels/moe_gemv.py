@@ -32,16 +32,19 @@ from worker.kernels.moe_lora import MoELoRAStep, shrink_rows
 def _gate_up_act_kernel(
         x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden, stride_x, stride_we, stride_wn, stride_act,
         xa_ptr, b_ptr, scalings_ptr, token_lora_slots_ptr, ranks_ptr, shared_ptr,
-        stride_xa, stride_bw, stride_be, stride_bn, stride_sw, stride_shared,
+        stride_xa, stride_bw, stride_be, stride_bn, stride_sw, stride_shared, s_ptr, stride_se, stride_sn, stride_sk,
         TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALES: tl.constexpr,
+        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, PDL: tl.constexpr):
     """Semantics, flat row r = t*K + j, e = ids[r], columns n < I of this program:
         g = round(x[t] @ gate_up[e, n]),  u = round(x[t] @ gate_up[e, I + n])          (float32 sums)
         HAS_LORA, w = token_lora_slots[t] >= 0, rank = ranks[w], xr = t*K if shared_outer[w] else r:
             g = round(g + scalings[w, 0] * sum_{q < rank} xa[xr, q] * gate_up_b[w, e, n, q])          (if scaling != 0)
             u = round(u + scalings[w, 1] * sum_{q < rank} xa[xr, R + q] * gate_up_b[w, e, I + n, q])  (if scaling != 0)
         act[r, n] = round(round(silu(g)) * u)
-    Program (row, column block). Longer than a helper-sized function because the gate and up GEMVs, their LoRA
+    FP8 experts (SCALES 1: per output row, 2: per block; expert_scale_args): gate_up[e] above is
+    w[e] times its float32 scales, applied to each row's sum (1) or to each weight of a BLOCK_K step, which lies in
+    one column block (2). Program (row, column block). Longer than a helper-sized function because the gate and up GEMVs, their LoRA
     expands and the activation share one pass over x and the row's weights in registers: split into helpers, the
     two accumulators and the LoRA operands would be returned through Triton tuples and spill at decode shapes."""
     pdl.launch_dependents(PDL)
@@ -65,16 +68,25 @@ def _gate_up_act_kernel(
             k_mask = offs_k < hidden - k0
             mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        gw = tl.load(g_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-        uw = tl.load(u_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-        acc_g += gw.to(tl.float32) * x[None, :]
-        acc_u += uw.to(tl.float32) * x[None, :]
+        gw = tl.load(g_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        uw = tl.load(u_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if SCALES == 2:
+            s_col = s_ptr + e * stride_se + (k0 // SCALE_BK) * stride_sk
+            gw *= tl.load(s_col + (offs_n // SCALE_BN) * stride_sn, mask=n_mask, other=0.0)[:, None]
+            uw *= tl.load(s_col + ((inter + offs_n) // SCALE_BN) * stride_sn, mask=n_mask, other=0.0)[:, None]
+        acc_g += gw * x[None, :]
+        acc_u += uw * x[None, :]
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     dtype = act_ptr.dtype.element_ty
-    g = tl.sum(acc_g, axis=1).to(dtype)                                      # [N]
-    u = tl.sum(acc_u, axis=1).to(dtype)
+    g = tl.sum(acc_g, axis=1)                                                # [N]
+    u = tl.sum(acc_u, axis=1)
+    if SCALES == 1:
+        g *= tl.load(s_ptr + e * stride_se + offs_n * stride_sn, mask=n_mask, other=0.0)
+        u *= tl.load(s_ptr + e * stride_se + (inter + offs_n) * stride_sn, mask=n_mask, other=0.0)
+    g = g.to(dtype)
+    u = u.to(dtype)
     if HAS_LORA:
         w = tl.load(token_lora_slots_ptr + t)
         if w >= 0:
@@ -105,10 +117,10 @@ def _gate_up_act_kernel(
 def _down_sum_kernel(
         act_ptr, w_ptr, ids_ptr, topk_w_ptr, out_ptr, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
         xa_ptr, b_ptr, scalings_ptr, token_lora_slots_ptr, ranks_ptr, shared_ptr,
-        stride_xa, stride_bw, stride_be, stride_bn, stride_sw, stride_shared,
+        stride_xa, stride_bw, stride_be, stride_bn, stride_sw, stride_shared, s_ptr, stride_se, stride_sn, stride_sk,
         TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, FLOAT32_WEIGHTS: tl.constexpr, HAS_LORA: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        PDL: tl.constexpr):
+        SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, PDL: tl.constexpr):
     """Semantics, token t, columns n < H of this program, for each choice j (row r = t*K + j, e = ids[r]):
         y_j = round(act[r] @ down[e, n])                                                       (float32 sum)
         HAS_LORA, w = token_lora_slots[t] >= 0, scalings[w, 2] != 0, eb = 0 if shared_outer[w] else e:
@@ -116,7 +128,8 @@ def _down_sum_kernel(
         FLOAT32_WEIGHTS:  out[t, n] = round(sum_j w[t, j] * y_j)                        (Mixtral)
         otherwise:        out[t, n] = round(sum_j round(round(w[t, j]) * y_j))          (Qwen)
     the sum over j in float32, in order j = 0, 1, ... (kernels/fused_moe.py's weighted sum). Program (token, column
-    block); the K rows are one [BLOCK_J, BLOCK_N, BLOCK_K] tile of weights per step. Long for the reason
+    block); the K rows are one [BLOCK_J, BLOCK_N, BLOCK_K] tile of weights per step. FP8 experts: down[e] is w[e]
+    times its scales, as in _gate_up_act_kernel. Long for the reason
     _gate_up_act_kernel is: the GEMV, the LoRA expand and the routing-weighted sum share the tile's registers."""
     pdl.launch_dependents(PDL)
     t = tl.program_id(0)
@@ -142,11 +155,18 @@ def _down_sum_kernel(
             wt = tl.load(w_ptrs, mask=jn_mask[:, :, None] & k_mask[None, None, :], other=0.0,
                          eviction_policy="evict_first")
             a = tl.load(a_ptrs, mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += wt.to(tl.float32) * a.to(tl.float32)[:, None, :]
+        wt = wt.to(tl.float32)
+        if SCALES == 2:
+            wt *= tl.load(s_ptr + e[:, None] * stride_se + (offs_n // SCALE_BN)[None, :] * stride_sn
+                          + (k0 // SCALE_BK) * stride_sk, mask=jn_mask, other=0.0)[:, :, None]
+        acc += wt * a.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=2).to(dtype)                                        # [J, N]
+    y = tl.sum(acc, axis=2)                                                  # [J, N]
+    if SCALES == 1:
+        y *= tl.load(s_ptr + e[:, None] * stride_se + offs_n[None, :] * stride_sn, mask=jn_mask, other=0.0)
+    y = y.to(dtype)
     if HAS_LORA:
         w = tl.load(token_lora_slots_ptr + t)
         if w >= 0:
@@ -200,15 +220,32 @@ def _lora_args(lora: MoELoRAStep | None, b_name: str, placeholder: torch.Tensor)
             dict(HAS_LORA=True, BLOCK_R=triton.next_power_of_2(ws.max_rank)))
 
 
+def expert_scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None, placeholder: torch.Tensor
+                      ) -> tuple[list, dict]:
+    """The expert kernels' scale arguments: [pointer, stride over experts, over rows, over column blocks] and the
+    SCALES, SCALE_BN, SCALE_BK constexprs. scale: None (w in the compute dtype), float32 [E, rows] (per output
+    row) or [E, cdiv(rows, bn), cdiv(cols, bk)] (block (bn, bk), bk a power of two >= 16)."""
+    if scale is None:
+        return [placeholder, 0, 0, 0], dict(SCALES=0, SCALE_BN=1, SCALE_BK=1)
+    assert scale.dtype == torch.float32
+    if block is None:
+        return [scale, scale.stride(0), scale.stride(1), 0], dict(SCALES=1, SCALE_BN=1, SCALE_BK=1)
+    assert block[1] & (block[1] - 1) == 0 and block[1] >= 16, f"block_k must be a power of two >= 16, got {block[1]}"
+    return [scale, *scale.stride()], dict(SCALES=2, SCALE_BN=block[0], SCALE_BK=block[1])
+
+
 def small_batch_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, float32_weights: bool, act: torch.Tensor, out: torch.Tensor,
-                    lora: MoELoRAStep | None = None, programmatic_launch: bool = True, configs: dict | None = None) -> None:
+                    lora: MoELoRAStep | None = None, programmatic_launch: bool = True, configs: dict | None = None,
+                    gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                    block: tuple[int, int] | None = None) -> None:
     """The experts of a routed batch of a few tokens into out (module docstring).
 
     x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; topk_weights: [T, K] float32 and topk_ids: [T, K] int32
     (kernels/moe.route's, contiguous); act: a [T*K, I] buffer (the MoE workspace's); out: [T, H] (x.dtype).
     lora: a kernels/moe_lora.MoELoRAStep or None. configs: {"gate_up" | "down": (BLOCK_N, BLOCK_K, num_warps)}
-    to override the defaults (bench/kernels_moe_gemv.py sweeps them).
+    to override the defaults (bench/kernels_moe_gemv.py sweeps them). FP8 experts: gate_up and down in
+    float8_e4m3fn with their scales (kernels/fused_moe.fused_moe).
     """
     num_tokens, hidden = x.shape
     top_k, inter = topk_ids.shape[1], down.shape[2]
@@ -223,16 +260,23 @@ def small_batch_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     args, consts = _lora_args(lora, "gate_up_b", topk_ids)
     block_n, block_k, warps = configs.get("gate_up") or _gate_up_config(hidden)
     max_rank = lora.workspace.max_rank if lora is not None else 1
+    scale_args, scale_consts = expert_scale_args(gate_up_scale, block, topk_ids)
+    if block is not None:
+        block_k = min(block_k, block[1])             # a step in one column block
     _gate_up_act_kernel[(rows, triton.cdiv(inter, block_n))](
         x, gate_up, topk_ids, act, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        *args, TOP_K=top_k, MAX_RANK=max_rank, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        num_warps=warps, **consts, **launch)
+        *args, *scale_args, TOP_K=top_k, MAX_RANK=max_rank, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=hidden % block_k == 0, num_warps=warps, **consts, **scale_consts, **launch)
 
     if lora is not None:
         shrink_rows(act[:rows], topk_ids, lora, gate_up=False, programmatic_launch=programmatic_launch)
     args, consts = _lora_args(lora, "down_b", topk_ids)
     block_n, block_k, warps = configs.get("down") or _down_config(top_k, inter)
+    scale_args, scale_consts = expert_scale_args(down_scale, block, topk_ids)
+    if block is not None:
+        block_k = min(block_k, block[1])
     _down_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         act, down, topk_ids, topk_weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), *args, TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), FLOAT32_WEIGHTS=float32_weights,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0, num_warps=warps, **consts, **launch)
+        out.stride(0), *args, *scale_args, TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), FLOAT32_WEIGHTS=float32_weights,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0, num_warps=warps, **consts, **scale_consts,
+        **launch)

@@ -35,6 +35,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
     return F.linear(x, weight, bias)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+               block: tuple[int, int] | None, bias: torch.Tensor | None, kernels: KernelChoices,
+               beside_lora: bool = False) -> torch.Tensor:
+    """x @ W^T (+ bias) for an FP8 weight, W = weight [N, K] (float8_e4m3fn) times weight_scale (float32: [N] per
+    output row, or [cdiv(N, bn), cdiv(K, bk)] per block when block = (bn, bk)); input_scale: the checkpoint's
+    static activation scale [1], or None (dynamic). x: [M, K] in the compute dtype -> [M, N] in x's dtype.
+
+    On a GPU, at most `kernels.fp8_gemv_row_limit` rows go through kernels/fp8_gemv.py, up to
+    `kernels.fp8_skinny_row_limit` through kernels/fp8_skinny.py: both weight-only (x is not quantized: the bytes
+    of W are the time); more rows are quantized to FP8 (per token, per 1 x bk group, or by input_scale) and run
+    on the FP8 tensor cores (kernels/fp8_gemm.py). Elsewhere the reference (the CPU's weight schemes dequantize at
+    load, so this is for completeness). beside_lora: as in `linear`."""
+    rows = x.shape[0]
+    weight_only = rows <= max(kernels.fp8_gemv_row_limit, kernels.fp8_skinny_row_limit)
+    if not x.is_cuda:
+        return reference.fp8_linear(x, weight, weight_scale, input_scale, block, bias, quantize_input=not weight_only)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight_only:
+        if rows <= kernels.fp8_gemv_row_limit:
+            from worker.kernels.fp8_gemv import fp8_gemv
+            return fp8_gemv(x, weight, weight_scale, block, bias, programmatic_launch=kernels.programmatic_launch,
+                            early_launch=not beside_lora)
+        from worker.kernels.fp8_skinny import fp8_skinny_gemm
+        return fp8_skinny_gemm(x, weight, weight_scale, block, bias, programmatic_launch=kernels.programmatic_launch)
+    from worker.kernels.fp8_gemm import w8a8_linear
+    return w8a8_linear(x, weight, weight_scale, input_scale, block, bias, kernels.programmatic_launch)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
              delta: torch.Tensor | None, kernels: KernelChoices) -> torch.Tensor:
     """RMSNorm of x (+ delta) over its last dim, in float32 and rounded back; with `residual` ([T, D]) it
@@ -102,11 +131,16 @@ def host_routing(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize:
 def sparse_experts(x: torch.Tensor, logits: torch.Tensor, experts, top_k: int, renormalize: bool,
                    float32_weights: bool, workspace, kernels: KernelChoices) -> torch.Tensor:
     """sum over each token's top-k experts of weight * expert(x): x [T, H], logits [T, E], `experts` a
-    layers/weights/scheme.ExpertMatrices (gate_up [E, 2I, H], down [E, H, I]) -> [T, H]. CUDA runs kernels/fused_moe.py once the model runner has attached its `workspace`
+    layers/weights/scheme.ExpertMatrices (gate_up [E, 2I, H], down [E, H, I]; FP8 with their scales when
+    quantized) -> [T, H]. CUDA runs kernels/fused_moe.py once the model runner has attached its `workspace`
     (kernels/fused_moe.MoEWorkspace); until then, and on the CPU, the reference routes on the host."""
     if x.is_cuda and workspace is not None:
         from worker.kernels.fused_moe import fused_moe
         return fused_moe(x, logits, experts.gate_up, experts.down, top_k, renormalize, float32_weights, workspace,
-                         programmatic_launch=kernels.programmatic_launch)
+                         programmatic_launch=kernels.programmatic_launch, gate_up_scale=experts.gate_up_scale,
+                         down_scale=experts.down_scale, block=experts.block)
     weights, ids = host_routing(x, logits, top_k, renormalize, float32_weights)
+    if experts.quantized:
+        return reference.fp8_moe_experts(x, experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale,
+                                         experts.block, weights, ids)
     return reference.moe_experts(x, experts.gate_up, experts.down, weights, ids)

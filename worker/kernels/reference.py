@@ -130,6 +130,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.to(x.dtype)
 
 
+FP8_MAX = 448.0     # float8_e4m3fn's largest finite value
+FP8_AMAX_FLOOR = 1e-10   # kernels/fp8_quant.EPS: the smallest amax a dynamic scale is taken from
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """Semantics: W[..., n, k] = float32(weight[..., n, k]) * scale[..., n]                    (block None)
+                  W[..., n, k] = float32(weight[..., n, k]) * scale[..., n // bn, k // bk]     (block (bn, bk))
+    weight: [..., N, K] float8_e4m3fn; scale: float32 [..., N] or [..., cdiv(N, bn), cdiv(K, bk)] -> float32."""
+    w = weight.float()
+    if block is None:
+        return w * scale.float()[..., None]
+    n, k = w.shape[-2:]
+    s = scale.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return w * s[..., :n, :k]
+
+
+def fp8_quantize_activations(x: torch.Tensor, group: int | None,
+                             input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics of kernels/fp8_quant.quantize_fp8: each row of x cut into groups of `group` columns (None: one
+    group, per token), s = input_scale[0] if given else max(amax of the group, FP8_AMAX_FLOOR) / 448,
+    q = fp8(clamp(x / s, -448, 448)). x: [M, K] -> (q [M, K] float8_e4m3fn, scale [M, cdiv(K, group)] float32)."""
+    num_rows, k = x.shape
+    group = k if group is None else group
+    num_groups = -(-k // group)
+    x32 = torch.nn.functional.pad(x.float(), (0, num_groups * group - k)).view(num_rows, num_groups, group)
+    if input_scale is not None:
+        scale = input_scale.float().reshape(1, 1).expand(num_rows, num_groups).contiguous()
+    else:
+        amax = x32.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
+        scale = amax / torch.full_like(amax, FP8_MAX)      # IEEE division: CUDA multiplies by 1/448 for a scalar
+    q = (x32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(num_rows, -1)[:, :k], scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+               block: tuple[int, int] | None, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+    """Semantics of kernels/ops.fp8_linear, in float32 (rounded once to x's dtype):
+        W = fp8_dequantize(weight, weight_scale, block)                                    # [N, K]
+        quantize_input (the W8A8 kernels):  xq, s = fp8_quantize_activations(x, bk or None, input_scale)
+                                            X[m, k] = float32(xq[m, k]) * s[m, k // bk (or 0)]
+        otherwise (the weight-only kernels): X = float32(x)
+        y = round(X @ W^T (+ bias))
+    x: [M, K]; weight: [N, K] float8_e4m3fn; weight_scale: [N] or [cdiv(N, bn), cdiv(K, bk)] -> y: [M, N]"""
+    w = fp8_dequantize(weight, weight_scale, block)
+    xf = x.float()
+    if quantize_input:
+        group = block[1] if block is not None else None
+        q, scale = fp8_quantize_activations(x, group, input_scale)
+        xf = q.float() * scale.repeat_interleave(group or x.shape[1], dim=1)[:, :x.shape[1]]
+    y = xf @ w.T
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics (Hugging Face's routing for Qwen2-MoE, Qwen3-MoE and Mixtral):
         probs = softmax(float32(router_logits[t]))            over the experts
@@ -169,6 +224,17 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
         y = (torch.nn.functional.silu(gate) * up) @ down[e].T   # [n, hidden]
         out.index_add_(0, tokens, (y * topk_weights[tokens, choice, None]).to(x.dtype))
     return out
+
+
+def fp8_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                    down_scale: torch.Tensor, block: tuple[int, int] | None, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """Semantics: moe_experts with FP8 experts dequantized to x's dtype first (fp8_dequantize of gate_up
+    [E, 2I, H] by gate_up_scale and of down [E, H, I] by down_scale: per output row [E, rows], or per block
+    [E, cdiv(rows, bn), cdiv(cols, bk)]). The kernels read the activations unquantized (W8A16), so with x in
+    float32 this is their exact math."""
+    return moe_experts(x, fp8_dequantize(gate_up, gate_up_scale, block).to(x.dtype),
+                       fp8_dequantize(down, down_scale, block).to(x.dtype), topk_weights, topk_ids)
 
 
 @dataclass

@@ -27,7 +27,11 @@ class ReferenceLoRA(LoRABackend):
     def experts(self, block, x: torch.Tensor, logits: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         weights, ids = ops.host_routing(x, logits, block.top_k, block.renormalize, block.float32_weights)
         m = block.experts.matrices()
-        return reference.moe_lora_experts(x, m.gate_up, m.down, weights, ids, info.token_lora_slots_host,
+        gate_up, down = m.gate_up, m.down
+        if m.quantized:
+            gate_up = reference.fp8_dequantize(gate_up, m.gate_up_scale, m.block).to(x.dtype)
+            down = reference.fp8_dequantize(down, m.down_scale, m.block).to(x.dtype)
+        return reference.moe_lora_experts(x, gate_up, down, weights, ids, info.token_lora_slots_host,
                                           expert_slots(block, info))
 
 

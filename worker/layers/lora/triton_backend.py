@@ -91,4 +91,5 @@ class TritonLoRA(LoRABackend):
         step = MoELoRAStep(block.lora, info.token_lora_slots, info.ranks, max_rank, block.lora_workspace)
         m = block.experts.matrices()
         return fused_moe(x, logits, m.gate_up, m.down, block.top_k, block.renormalize, block.float32_weights,
-                         block.workspace, lora=step, programmatic_launch=block.kernels.programmatic_launch)
+                         block.workspace, lora=step, programmatic_launch=block.kernels.programmatic_launch,
+                         gate_up_scale=m.gate_up_scale, down_scale=m.down_scale, block=m.block)
