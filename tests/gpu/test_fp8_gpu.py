@@ -82,16 +82,18 @@ def run(engine: Engine, capture_logits: bool = False):
     return tokens, logits
 
 
-def test_fp8_weights_stay_e4m3_on_the_gpu(checkpoint):
+@pytest.fixture(scope="module")
+def graphs_engine(checkpoint) -> Engine:
     written, adapters = checkpoint
-    model = make_engine(written.path, adapters, enforce_eager=True).runner.model
-    qkv = model.layers[0].self_attn.qkv_proj
+    return make_engine(written.path, adapters, enforce_eager=False)
+
+
+def test_fp8_tracks_hf_peft_on_the_dequantized_weights(checkpoint, graphs_engine):
+    written, adapters = checkpoint
+    qkv = graphs_engine.runner.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dtype == torch.float32
-
-
-def test_fp8_tracks_hf_peft_on_the_dequantized_weights(checkpoint):
-    written, adapters = checkpoint
-    tokens, logits = run(make_engine(written.path, adapters, enforce_eager=False), capture_logits=True)
+    tokens, logits = run(graphs_engine, capture_logits=True)
+    graphs_engine.runner.execute = type(graphs_engine.runner).execute.__get__(graphs_engine.runner)
     reference, _ = run(make_engine(written.path, adapters, enforce_eager=False,
                                    kernels=KernelConfig(fp8_kernels=False)))
     agree = total = 0
@@ -110,17 +112,16 @@ def test_fp8_tracks_hf_peft_on_the_dequantized_weights(checkpoint):
     print(f"{written.path.name}: greedy agreement with the dequantized engine {agree}/{total}")
 
 
-def test_fp8_graphs_and_eager_give_identical_tokens(checkpoint):
+def test_fp8_graphs_and_eager_give_identical_tokens(checkpoint, graphs_engine):
     written, adapters = checkpoint
-    graphs, _ = run(make_engine(written.path, adapters, enforce_eager=False))
+    graphs, _ = run(graphs_engine)
     eager, _ = run(make_engine(written.path, adapters, enforce_eager=True))
     assert graphs == eager
 
 
-def test_fp8_steps_make_no_host_device_sync(checkpoint):
-    written, adapters = checkpoint
-    engine = make_engine(written.path, adapters, enforce_eager=False)
-    run(engine)                                       # warm-up: compilation and autotuning
+def test_fp8_steps_make_no_host_device_sync(graphs_engine):
+    engine = graphs_engine                            # warmed up by the tests before: compiled and autotuned
+    run(engine)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True)
     for i, (prompt, (_, adapter)) in enumerate(zip(prompts(), ROWS)):
         engine.add_request(f"s{i}", prompt, params, None if adapter is None else f"a{adapter}")
