@@ -79,15 +79,14 @@ def attention_bound(batch: PagedBatch, dtype: torch.dtype) -> float:
         p rounded to `dtype` before p·v, the output rounded once:        2 u max|v|
         p·v summed in another float32 order (at most max_ctx terms):      max_ctx eps max|v|
         scores q·k (head_dim float32 terms, 2 more roundings folding the scales) moving by Δs ≤ (head_dim + 2) eps
-        S, S = max over rows and keys of scale · k_scale · Σ_d |q_d| |k8_d|; softmax moves Σ|Δp| by ≤ 2 max|Δs|:
-                                                                          2 (head_dim + 2) eps S max|v|
+        S, S = scale · k_scale · max|q| max|k8| (Euclidean norms of rows, bounding Σ_d |q_d k8_d|); softmax moves
+        Σ|Δp| by ≤ 2 max|Δs|:                                             2 (head_dim + 2) eps S max|v|
     where max|v| = v_scale · max|v8| (u: UNIT_ROUNDOFF; 2 u is 1e-3 in float16)."""
     head_dim, max_ctx = batch.q.shape[2], max(batch.seq_lens)
     v_max = V_SCALE * batch.v_cache.float().abs().max().item()
-    q_abs = batch.q.float().abs()                                                  # [T, Hq, D]
-    k_abs = batch.k_cache.float().abs().flatten(0, 1)                              # [slots, Hk, D]
-    group = q_abs.shape[1] // k_abs.shape[1]
-    s_max = batch.scale * K_SCALE * torch.einsum("thd,shd->ths", q_abs, k_abs.repeat_interleave(group, 1)).max().item()
+    q_norm = batch.q.float().norm(dim=-1).max().item()
+    k_norm = batch.k_cache.float().norm(dim=-1).max().item()
+    s_max = batch.scale * K_SCALE * q_norm * k_norm
     return (2 * UNIT_ROUNDOFF[dtype] + max_ctx * EPS + 2 * (head_dim + 2) * EPS * s_max) * v_max
 
 
