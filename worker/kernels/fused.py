@@ -114,10 +114,10 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_
 @triton.jit
 def as_stored(x, scale, FP8: tl.constexpr):
     """x as the cache stores it (reference.store_kv): float8_e4m3fn(clamp(x / scale, +-448)) for an FP8 cache (a
-    correctly rounded division, as torch's), x itself otherwise."""
+    correctly rounded division and a round-to-nearest-even cast, as torch's), x itself otherwise."""
     if FP8:
         y = tl.math.div_rn(x.to(tl.float32), scale)
-        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return x
 
 
