@@ -2,6 +2,7 @@
 
     python -m bench.memory_plan --model bench/configs/llama-3.1-8b --max-num-seqs 256 --out plan.json
     python -m bench.memory_plan --model bench/configs/llama-3.1-8b --pair 0.4 --out pair.json
+    python -m bench.memory_plan --model bench/configs/llama-3.1-8b --kv-cache-dtype fp8 --out fp8.json
 
 One engine per process (the plan measures the device from its start). Each run builds an Engine with
 `--load-format dummy` at the default --gpu-memory-utilization (or the one given), records the plan's split
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.make_adapters import make_adapter
-from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.config import KV_CACHE_DTYPES, CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
 from worker.arch import ArchConfig
@@ -42,17 +43,18 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def run_one(model: str, max_seqs: int, utilization: float, max_loras: int, tokens: int) -> dict:
+def run_one(model: str, max_seqs: int, utilization: float, max_loras: int, tokens: int,
+            kv_cache_dtype: str = "auto") -> dict:
     lines = _Lines()
     logging.getLogger().addHandler(lines)
     logging.getLogger().setLevel(logging.INFO)
     start = time.perf_counter()
     result = {"max_num_seqs": max_seqs, "gpu_memory_utilization": utilization, "max_loras": max_loras,
-              "max_num_batched_tokens": tokens}
+              "max_num_batched_tokens": tokens, "kv_cache_dtype": kv_cache_dtype}
     try:
         engine = Engine(WorkerConfig(
             ModelConfig(model, dtype="bfloat16", load_format="dummy", max_model_len=4096),
-            cache=CacheConfig(gpu_memory_utilization=utilization),
+            cache=CacheConfig(gpu_memory_utilization=utilization, kv_cache_dtype=kv_cache_dtype),
             lora=LoRAConfig(max_loras=max_loras, max_lora_rank=16),
             scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=tokens), device="cuda"))
     except Exception as e:          # the point of the bench: report what failed
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-loras", type=int, default=4)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--pair", type=float, default=None, help="start two engines at once at this utilisation")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -103,7 +106,8 @@ def main() -> None:
     if args.pair is not None:
         queue = ctx.Queue()
         procs = [ctx.Process(target=_child, args=(queue, args.model, args.max_num_seqs[0], args.pair, args.max_loras,
-                                                   args.max_num_batched_tokens)) for _ in range(2)]
+                                                   args.max_num_batched_tokens, args.kv_cache_dtype))
+                 for _ in range(2)]
         for p in procs:
             p.start()
         results = [queue.get() for _ in procs]
@@ -113,7 +117,7 @@ def main() -> None:
         for seqs in args.max_num_seqs:       # one process each: the plan measures the device from its start
             queue = ctx.Queue()
             p = ctx.Process(target=_child, args=(queue, args.model, seqs, args.gpu_memory_utilization,
-                                                 args.max_loras, args.max_num_batched_tokens))
+                                                 args.max_loras, args.max_num_batched_tokens, args.kv_cache_dtype))
             p.start()
             results.append(queue.get())
             p.join()

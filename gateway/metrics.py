@@ -152,12 +152,13 @@ class RequestTimer:
 
 class Metrics:
     def __init__(self, model_name: str, max_loras: int, block_size: int, gpu_memory_utilization: float,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, cache_dtype: str = "auto"):
         self.model_name = model_name
         self.max_loras = max_loras
         self.block_size = block_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_dtype = cache_dtype                  # --kv-cache-dtype
         self.num_gpu_blocks: int | None = None     # from the worker's Ready
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -246,7 +247,7 @@ class Metrics:
     def _cache_labels(self) -> dict[str, object]:
         """vLLM's CacheConfig fields that mean something here, as str(value) (vLLM labels them all), and engine."""
         return {"block_size": self.block_size, "gpu_memory_utilization": self.gpu_memory_utilization,
-                "cache_dtype": "auto", "enable_prefix_caching": self.enable_prefix_caching,
+                "cache_dtype": self.cache_dtype, "enable_prefix_caching": self.enable_prefix_caching,
                 "num_gpu_blocks": self.num_gpu_blocks,
                 "engine": 0}
 

@@ -32,7 +32,8 @@ class ServingContext:
         self.tokenizer = tokenizer
         worker = config.worker
         self.metrics = Metrics(config.served_names[0], worker.lora.max_loras, worker.cache.block_size,
-                               worker.cache.gpu_memory_utilization, worker.cache.enable_prefix_caching)
+                               worker.cache.gpu_memory_utilization, worker.cache.enable_prefix_caching,
+                               worker.cache.kv_cache_dtype)
         self.served_models = ServedModels(config.served_names, worker.model.path, worker.lora.lora_dirs,
                                           client, forget=self.metrics.forget_adapter)
         self.api_key = APIKey(config.api_key) if config.api_key else None

@@ -15,6 +15,26 @@ from pathlib import Path
 from worker.config_flags import flag, positive_int
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")     # a PEFT directory's files we read
+# --kv-cache-dtype values (vLLM's names): auto keeps K/V in the model's dtype; fp8 and fp8_e4m3 store them as
+# float8_e4m3fn with a per-tensor scale per layer (kv_cache/kv_dtype.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    """`name` if it is a --kv-cache-dtype we support, else ValueError saying which are."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported; choose auto (the model's dtype), fp8 or "
+                         f"fp8_e4m3 (the same: FP8 E4M3 with per-tensor scales). vLLM's fp8_e5m2, fp8_inc and the "
+                         f"other cache dtypes are not implemented here")
+    return name
+
+
+def kv_cache_dtype_arg(text: str) -> str:
+    """An argparse `type` for --kv-cache-dtype: check_kv_cache_dtype's message as the parser's error."""
+    try:
+        return check_kv_cache_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,14 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata=flag(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         help="reuse the KV cache of full blocks of earlier prompts under the same adapter version (default on)"))
+    # auto | fp8 | fp8_e4m3: how K/V are stored (KV_CACHE_DTYPES)
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "--kv-cache-dtype", type=kv_cache_dtype_arg, metavar="{auto,fp8,fp8_e4m3}",
+        help="KV cache storage: auto (the model's dtype) or fp8 = fp8_e4m3 (float8 E4M3, per-tensor scales from the "
+             "checkpoint's k_scale/v_scale, else 1.0; about twice the blocks in the same memory)"))
+
+    def __post_init__(self):
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

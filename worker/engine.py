@@ -94,8 +94,8 @@ class Engine:
         self._pacer = LaunchPacer(self._shape) if paced else None
         self._arrivals = itertools.count()
         self.structured.wait_ready()          # begun before the model loaded; no request waits for it later
-        logger.info("engine ready: %s on %s (%s), %d KV blocks, %s adapter loads, prefix caching %s",
-                    self.arch.architecture, self.device, self.dtype, self.num_kv_blocks,
+        logger.info("engine ready: %s on %s (%s), %d KV blocks (%s), %s adapter loads, prefix caching %s",
+                    self.arch.architecture, self.device, self.dtype, self.num_kv_blocks, config.cache.kv_cache_dtype,
                     "overlapped" if self.adapters.prefetcher is not None else "blocking",
                     "on" if config.cache.enable_prefix_caching else "off")
 

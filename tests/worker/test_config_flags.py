@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from worker.config import ModelConfig, WorkerConfig
+from worker.config import CacheConfig, ModelConfig, WorkerConfig
 from worker.config_flags import add_flags, config_from_flags, flag, positive_int
 
 
@@ -105,3 +105,24 @@ def test_worker_config_fields_without_a_flag_keep_their_defaults():
 def test_the_worker_config_and_its_flags_import_no_torch():
     code = "import sys, worker.config, worker.config_flags; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", ["auto", "fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_flag_takes_vllms_names(name):
+    parser = argparse.ArgumentParser()
+    add_flags(parser, WorkerConfig)
+    assert config_from_flags(WorkerConfig, parser.parse_args(["--model", "/m"])).cache.kv_cache_dtype == "auto"
+    config = config_from_flags(WorkerConfig, parser.parse_args(["--model", "/m", "--kv-cache-dtype", name]))
+    assert config.cache.kv_cache_dtype == name
+
+
+@pytest.mark.parametrize("name", ["fp8_e5m2", "bfloat16", "fp8_inc", "int8", "FP8"])
+def test_kv_cache_dtypes_we_lack_are_refused_naming_the_supported_ones(name, capsys):
+    parser = argparse.ArgumentParser()
+    add_flags(parser, WorkerConfig)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "/m", "--kv-cache-dtype", name])
+    assert f"--kv-cache-dtype {name!r} is not supported; choose auto (the model's dtype), fp8 or fp8_e4m3" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"--kv-cache-dtype '{name}' is not supported"):
+        CacheConfig(kv_cache_dtype=name)

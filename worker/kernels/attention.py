@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from worker.kernels import pdl
+from worker.kernels.fused import as_stored
+from worker.kernels.reference import KV_FP8_DTYPE
 from worker.kernels.row_tiles import CHUNK, locate_tile
 from worker.kernels.row_tiles_host import max_tiles
 
@@ -34,6 +36,7 @@ def _attend_key_tile(acc, m_i, l_i, q, q_pos, k_head, v_head, bt_row, start, kv_
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     slot = block * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_slot           # slot: [BLOCK_N]
     k = tl.load(k_head + slot[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    k = k.to(q.dtype)                                  # FP8 entries, exactly (a no-op for a cache in q's dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2                  # s: [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -41,6 +44,7 @@ def _attend_key_tile(acc, m_i, l_i, q, q_pos, k_head, v_head, bt_row, start, kv_
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     v = tl.load(v_head + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
@@ -48,12 +52,13 @@ def _attend_key_tile(acc, m_i, l_i, q, q_pos, k_head, v_head, bt_row, start, kv_
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2,
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_log2, v_scale,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq, num_heads, num_seqs,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        FLAT: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+        FLAT: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+        PDL: tl.constexpr):
     """Semantics: program (i, g, t * NUM_SPLITS + s) handles query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of
     sequence i, all GROUP query heads h of KV head g, and split s of the keys they see (FLAT, one split:
     program (p, g, 0) handles query tile p of all sequences' tiles numbered one sequence after another,
@@ -62,6 +67,13 @@ def _paged_attention_kernel(
         for token j < n at context position p = L - n + j, head h in [g*GROUP, (g+1)*GROUP):
             key position c in [0, p] lives at k_cache[block_tables[i, c // BLOCK_SIZE], c % BLOCK_SIZE, g]
             out[query_start_loc[i] + j, h] = softmax_c(scale * q[., h] . k[c]) @ v[c]      (fp32 online softmax)
+    With an FP8 cache (FP8) k[c] and v[c] are the stored values times k_scale and v_scale (reference.paged_attention);
+    the host folds k_scale into scale_log2 and v_scale multiplies the accumulator once, after the key loops:
+        softmax(scale * q . (k_scale * k8)) = softmax((scale * k_scale) * q . k8);  sum p * (v_scale * v8) = v_scale *
+        sum p * v8.
+    The tiles are converted to q's dtype, which holds every E4M3 value exactly, so the dots read the stored values
+    unrounded and each scale is one float32 multiply per score or output row. Scaling the tiles instead would cost
+    a multiply per element and round k8 * k_scale to q's dtype (bf16 keeps 8 bits of its 4 + 24).
     Rows of the M tile are (token, head) pairs: row r = token (r // GROUP), head (r % GROUP), so K/V are
     read once per KV head. With NUM_SPLITS > 1 (decode only: one token per sequence) split s covers
     key positions [s*S, (s+1)*S), S = ceil(L / NUM_SPLITS) rounded up to BLOCK_N, and writes its unnormalised
@@ -127,6 +139,8 @@ def _paged_attention_kernel(
                                          d_ok, scale_log2, stride_c_block, stride_c_slot, BLOCK_SIZE, BLOCK_N,
                                          True, DOT_PRECISION)
 
+    if FP8:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
@@ -167,11 +181,12 @@ def _combine_splits_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qu
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_k_tok, stride_v_tok,
-                     stride_c_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr):
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale, v_scale, stride_k_tok,
+                     stride_v_tok, stride_c_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr, FP8: tl.constexpr,
+                     PDL: tl.constexpr):
     """Semantics: for token t with slot = kv_slot_mapping[t] >= 0 (negative slots are padding, skipped):
-        k_cache.view(-1, ROW)[slot] = k[t].flatten();  v_cache.view(-1, ROW)[slot] = v[t].flatten()
-    where ROW = num_kv_heads * head_dim.
+        k_cache.view(-1, ROW)[slot] = stored(k[t].flatten(), k_scale);  the same for v with v_scale
+    where ROW = num_kv_heads * head_dim and stored() is reference.store_kv's (FP8 caches quantize).
     """
     pdl.launch_dependents(PDL)
     pdl.wait(PDL)
@@ -181,14 +196,18 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, s
         return
     offs = tl.arange(0, ROW_PAD)
     ok = offs < ROW
-    tl.store(k_cache_ptr + slot * stride_c_slot + offs, tl.load(k_ptr + tok * stride_k_tok + offs, mask=ok), mask=ok)
-    tl.store(v_cache_ptr + slot * stride_c_slot + offs, tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok), mask=ok)
+    k = as_stored(tl.load(k_ptr + tok * stride_k_tok + offs, mask=ok), k_scale, FP8)
+    v = as_stored(tl.load(v_ptr + tok * stride_v_tok + offs, mask=ok), v_scale, FP8)
+    tl.store(k_cache_ptr + slot * stride_c_slot + offs, k, mask=ok)
+    tl.store(v_cache_ptr + slot * stride_c_slot + offs, v, mask=ok)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kv_slot_mapping: torch.Tensor, programmatic_launch: bool = True) -> None:
+             kv_slot_mapping: torch.Tensor, programmatic_launch: bool = True, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
     """Write the step's K/V into the pool, one launch for both; tokens with kv_slot_mapping < 0 are skipped
-    (CUDA-graph padding). Same result as reference.store_kv for non-negative slots.
+    (CUDA-graph padding). Same result as reference.store_kv for non-negative slots (an FP8 cache quantizes with
+    the per-tensor k_scale / v_scale; a cache in k's dtype ignores them).
 
     k, v: [num_tokens, num_kv_heads, head_dim] (heads and dim contiguous); k_cache, v_cache: contiguous
     [num_blocks, block_size, num_kv_heads, head_dim]; kv_slot_mapping: [num_tokens] int32/int64.
@@ -196,20 +215,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """
     row = k.shape[1] * k.shape[2]
     assert k.stride(1) == k.shape[2] and k.stride(2) == 1 and v.stride(1) == v.shape[2] and v.stride(2) == 1
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == k.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype in (k.dtype, KV_FP8_DTYPE)
     if k.shape[0] == 0:
         return
-    _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, kv_slot_mapping, k.stride(0), v.stride(0), row,
-                                    ROW=row, ROW_PAD=triton.next_power_of_2(row),
+    _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, kv_slot_mapping, float(k_scale), float(v_scale),
+                                    k.stride(0), v.stride(0), row, ROW=row, ROW_PAD=triton.next_power_of_2(row),
+                                    FP8=k_cache.dtype == KV_FP8_DTYPE,
                                     **pdl.launch_options(k.device, programmatic_launch))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_seqs: int,
                     max_query_len: int, out: torch.Tensor | None = None, num_kv_splits: int | None = None,
-                    config: tuple[int, int, int, int] | None = None, programmatic_launch: bool = True) -> torch.Tensor:
+                    config: tuple[int, int, int, int] | None = None, programmatic_launch: bool = True,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context; semantics of
-    reference.paged_attention, with the metadata as device tensors.
+    reference.paged_attention, with the metadata as device tensors. The caches are in q's dtype, or FP8
+    (reference.KV_FP8_DTYPE) read as stored value * k_scale / v_scale: per-tensor host floats, fixed for the
+    life of a CUDA graph that captures the call (the layer's checkpoint scales), so nothing is read back.
 
     q: [num_tokens, num_heads, head_dim] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables: [>= num_seqs, max_blocks] int32; query_start_loc: [>= num_seqs + 1]
@@ -225,7 +249,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     assert block_tables.dtype == query_start_loc.dtype == seq_lens.dtype == torch.int32
-    assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the KV cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, KV_FP8_DTYPE), \
+        f"the KV cache must be in q's dtype {q.dtype} or {KV_FP8_DTYPE}, not {k_cache.dtype}"
+    fp8 = k_cache.dtype == KV_FP8_DTYPE
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
     if num_seqs == 0 or max_query_len == 0:
@@ -248,11 +274,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q) * splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, block_tables, query_start_loc, seq_lens,
-        scale * LOG2_E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_heads, num_seqs,
+        scale * (k_scale if fp8 else 1.0) * LOG2_E, float(v_scale), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), num_heads,
+        num_seqs,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
-        FLAT=flat, CHUNK=CHUNK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FLAT=flat, CHUNK=CHUNK, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=num_warps, num_stages=num_stages, **launch)
     if splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -20,6 +20,9 @@ import triton
 import triton.language as tl
 
 from worker.kernels import pdl
+from worker.kernels.reference import KV_FP8_DTYPE, KV_FP8_MAX
+
+FP8_MAX: tl.constexpr = tl.constexpr(KV_FP8_MAX)
 
 
 @triton.jit
@@ -109,11 +112,21 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_
 
 
 @triton.jit
+def as_stored(x, scale, FP8: tl.constexpr):
+    """x as the cache stores it (reference.store_kv): float8_e4m3fn(clamp(x / scale, +-448)) for an FP8 cache (a
+    correctly rounded division and a round-to-nearest-even cast, as torch's), x itself otherwise."""
+    if FP8:
+        y = tl.math.div_rn(x.to(tl.float32), scale)
+        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return x
+
+
+@triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                            delta_ptr, q_norm_ptr, k_norm_ptr, eps, stride_qt, stride_qh, stride_kt, stride_kh,
-                            stride_vt, stride_vh, stride_cos, stride_dt, num_q_heads, num_k_heads, half,
-                            HAS_DELTA: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                            BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+                            delta_ptr, q_norm_ptr, k_norm_ptr, eps, k_scale, v_scale, stride_qt, stride_qh,
+                            stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_dt, num_q_heads,
+                            num_k_heads, half, HAS_DELTA: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Semantics, for token t at position p = pos[t] with slot = slot[t] (rotate-half layout):
         if HAS_DELTA: [q[t] | k[t] | v[t]] (heads flattened) = round(that + delta[t]) first
         if QK_NORM (Qwen3): every head of q[t] = rms_norm(head, q_norm, eps), of k[t] with k_norm (as
@@ -121,7 +134,8 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
         for x in every head of q[t] and k[t], in place: x1, x2 = x[:half], x[half:]; c, s = cos[p, :half],
             sin[p, :half]; x = [x1*c - x2*s, x2*c + x1*s]   (float32, rounded once)
         if slot >= 0 (negative slots are CUDA-graph padding):
-            k_cache.view(-1, Hk, D)[slot] = k[t] (rotated);  v_cache.view(-1, Hk, D)[slot] = v[t]
+            k_cache.view(-1, Hk, D)[slot] = stored(k[t] (rotated), k_scale);  v_cache.view(-1, Hk, D)[slot] =
+            stored(v[t], v_scale)       (reference.store_kv: FP8 caches quantize, others store x itself)
     The caches are contiguous [num_blocks, block_size, Hk, D].
     """
     pdl.launch_dependents(PDL)
@@ -144,36 +158,39 @@ def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_ca
         cols = offs[None, :]
         mask = (heads < num_k_heads) & (cols < half)
         row = slot * num_k_heads * 2 * half + heads * 2 * half + cols    # (slot, head, col) in the caches
-        tl.store(k_cache_ptr + row, k1, mask=mask)
-        tl.store(k_cache_ptr + row + half, k2, mask=mask)
+        tl.store(k_cache_ptr + row, as_stored(k1, k_scale, FP8), mask=mask)
+        tl.store(k_cache_ptr + row + half, as_stored(k2, k_scale, FP8), mask=mask)
         v_ptrs = v_ptr + t.to(tl.int64) * stride_vt + heads * stride_vh + cols
         v1 = tl.load(v_ptrs, mask=mask)
         v2 = tl.load(v_ptrs + half, mask=mask)
         if HAS_DELTA:
             d_ptrs = d_v + heads * 2 * half + cols
             v1, v2 = _plus_delta(v1, d_ptrs, mask), _plus_delta(v2, d_ptrs + half, mask)
-        tl.store(v_cache_ptr + row, v1, mask=mask)
-        tl.store(v_cache_ptr + row + half, v2, mask=mask)
+        tl.store(v_cache_ptr + row, as_stored(v1, v_scale, FP8), mask=mask)
+        tl.store(v_cache_ptr + row + half, as_stored(v2, v_scale, FP8), mask=mask)
 
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slot_mapping: torch.Tensor,
                     delta: torch.Tensor | None = None, programmatic_launch: bool = True,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
-    """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, kv_slot_mapping)
-    in one launch: a decode layer's rotary and K/V write cost one kernel instead of two. With `qk_norm` (Qwen3's
-    per-head norms: (q_norm weight [D], k_norm weight [D], eps)), q and k are normed first, as rms_norm(q, q_norm,
-    eps) and rms_norm(k, k_norm, eps) would (after the delta): three launches become one.
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
+    """reference.rotary(positions, q, k, cos, sin) then reference.store_kv(k, v, k_cache, v_cache, kv_slot_mapping,
+    k_scale, v_scale) in one launch: a decode layer's rotary and K/V write cost one kernel instead of two. With
+    `qk_norm` (Qwen3's per-head norms: (q_norm weight [D], k_norm weight [D], eps)), q and k are normed first, as
+    rms_norm(q, q_norm, eps) and rms_norm(k, k_norm, eps) would (after the delta): three launches become one.
 
     q: [T, Hq, D], k, v: [T, Hk, D] (head_dim contiguous, any token/head strides); k_cache, v_cache:
-    contiguous [num_blocks, block_size, Hk, D]; kv_slot_mapping: [T], negative entries are skipped.
+    contiguous [num_blocks, block_size, Hk, D], in k's dtype or FP8 (reference.KV_FP8_DTYPE: quantized with the
+    per-tensor k_scale / v_scale, which caches in k's dtype ignore); kv_slot_mapping: [T], negative entries are
+    skipped.
     delta: [T, (Hq + 2 Hk) * D] float32 (module docstring), in q | k | v order; v's part reaches only the cache.
     """
     num_tokens, num_q_heads, dim = q.shape
     num_k_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (num_k_heads, dim)
-    assert k_cache.dtype == k.dtype == v.dtype
+    assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype and k_cache.dtype in (k.dtype, KV_FP8_DTYPE)
     assert delta is None or (delta.shape == (num_tokens, (num_q_heads + 2 * num_k_heads) * dim)
                              and delta.dtype == torch.float32 and delta.stride(1) == 1)
     assert qk_norm is None or (qk_norm[0].shape == qk_norm[1].shape == (dim,) and qk_norm[0].is_contiguous()
@@ -182,9 +199,10 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         d = delta if delta is not None else q
         q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)
         _rotary_store_kv_kernel[(num_tokens,)](
-            q, k, v, cos, sin, positions, k_cache, v_cache, kv_slot_mapping, d, q_norm, k_norm, eps, q.stride(0),
-            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), d.stride(0), num_q_heads,
-            num_k_heads, dim // 2, HAS_DELTA=delta is not None, QK_NORM=qk_norm is not None,
+            q, k, v, cos, sin, positions, k_cache, v_cache, kv_slot_mapping, d, q_norm, k_norm, eps, float(k_scale),
+            float(v_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            d.stride(0), num_q_heads, num_k_heads, dim // 2, HAS_DELTA=delta is not None,
+            QK_NORM=qk_norm is not None, FP8=k_cache.dtype == KV_FP8_DTYPE,
             BLOCK_HALF=triton.next_power_of_2(dim // 2),
             BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_k_heads)), num_warps=4,
             **pdl.launch_options(q.device, programmatic_launch))

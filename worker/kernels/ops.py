@@ -87,37 +87,41 @@ def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None, kernels: KernelCho
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_delta: torch.Tensor | None,
               kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
               scale: float, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
-              kernels: KernelChoices) -> torch.Tensor:
+              kernels: KernelChoices, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Paged attention of one layer: q and k (+ their part of qkv_delta) normed per head (qk_norm: Qwen3's
     (q_norm weight, k_norm weight, eps)), rotated, this step's K/V written into the cache, then attended.
-    q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq, D]. On CUDA the first steps are one kernel (fused.rotary_store_kv)."""
+    q: [T, Hq, D]; k, v: [T, Hk, D] -> [T, Hq, D]. On CUDA the first steps are one kernel (fused.rotary_store_kv).
+    kv_scales: the layer's (k_scale, v_scale), with which an FP8 cache stores and reads K/V (reference.store_kv);
+    a cache in the model's dtype ignores them."""
     run = triton_attention if q.is_cuda else reference_attention
-    return run(q, k, v, qkv_delta, kv_cache, batch, cos, sin, scale, qk_norm, kernels.programmatic_launch)
+    return run(q, k, v, qkv_delta, kv_cache, batch, cos, sin, scale, qk_norm, kernels.programmatic_launch, kv_scales)
 
 
 def triton_attention(q, k, v, qkv_delta, kv_cache, batch: ForwardBatch, cos, sin, scale: float, qk_norm,
-                     programmatic_launch: bool) -> torch.Tensor:
+                     programmatic_launch: bool, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """`attention` by the Triton kernels (the CUDA path; the CPU's Triton interpreter runs it in tests)."""
     from worker.kernels.attention import paged_attention
     from worker.kernels.fused import rotary_store_kv
     k_cache, v_cache = kv_cache                     # each [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale = kv_scales
     rotary_store_kv(batch.positions, q, k, v, cos, sin, k_cache, v_cache, batch.kv_slot_mapping, qkv_delta,
-                    programmatic_launch=programmatic_launch, qk_norm=qk_norm)
+                    programmatic_launch=programmatic_launch, qk_norm=qk_norm, k_scale=k_scale, v_scale=v_scale)
     return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                           scale, batch.num_seqs, batch.max_query_len, programmatic_launch=programmatic_launch)
+                           scale, batch.num_seqs, batch.max_query_len, programmatic_launch=programmatic_launch,
+                           k_scale=k_scale, v_scale=v_scale)
 
 
 def reference_attention(q, k, v, qkv_delta, kv_cache, batch: ForwardBatch, cos, sin, scale: float, qk_norm,
-                        programmatic_launch: bool = False) -> torch.Tensor:
+                        programmatic_launch: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """`attention` by the torch references (the CPU's), from the batch's host copies."""
     assert qkv_delta is None, "deferred LoRA deltas exist on CUDA only"
     k_cache, v_cache = kv_cache
     if qk_norm is not None:
         q, k = reference.rms_norm(q, qk_norm[0], qk_norm[2]), reference.rms_norm(k, qk_norm[1], qk_norm[2])
     reference.rotary(batch.positions, q, k, cos, sin)
-    reference.store_kv(k, v, k_cache, v_cache, batch.kv_slot_mapping)
+    reference.store_kv(k, v, k_cache, v_cache, batch.kv_slot_mapping, *kv_scales)
     return reference.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc_host,
-                                     batch.seq_lens_host, scale)
+                                     batch.seq_lens_host, scale, *kv_scales)
 
 
 def host_routing(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,

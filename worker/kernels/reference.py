@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+# an FP8 KV cache (--kv-cache-dtype fp8): its element type, and the largest value it holds (torch.finfo's max)
+KV_FP8_DTYPE = torch.float8_e4m3fn
+KV_FP8_MAX = 448.0
+
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: list[int], seg_lora_slots: list[int],
                 ranks: list[int], num_slices: int) -> torch.Tensor:
@@ -56,22 +60,44 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, seg_indptr: 
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             kv_slot_mapping: torch.Tensor) -> None:
-    """Semantics: k_cache.view(-1, H, D)[kv_slot_mapping[t]] = k[t] (same for v).
+             kv_slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Semantics: k_cache.view(-1, H, D)[kv_slot_mapping[t]] = stored(k[t], k_scale) (same for v), where
+        stored(x, s) = x                                                   for a cache in the model's dtype
+        stored(x, s) = float8_e4m3fn(clamp(float32(x) / float32(s), -448, 448))   for an FP8 cache
+    (vLLM's convention: the scale multiplies the stored value back, paged_attention; round to nearest even; the
+    clamp first because CUDA casts values past 448 to NaN where the CPU saturates). A cache in the model's dtype
+    ignores the scales.
 
     k, v: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     """
-    k_cache.view(-1, *k_cache.shape[2:])[kv_slot_mapping] = k
-    v_cache.view(-1, *v_cache.shape[2:])[kv_slot_mapping] = v
+    k_cache.view(-1, *k_cache.shape[2:])[kv_slot_mapping] = quantize_kv(k, k_scale, k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[kv_slot_mapping] = quantize_kv(v, v_scale, v_cache.dtype)
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `cache_dtype` stores it (store_kv's `stored`)."""
+    if cache_dtype != KV_FP8_DTYPE:
+        return x
+    divisor = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values of cache entries x: float32(x) * float32(scale) for FP8, float32(x) otherwise."""
+    if x.dtype != KV_FP8_DTYPE:
+        return x.float()
+    return x.float() * torch.tensor(scale, dtype=torch.float32, device=x.device)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                    scale: float) -> torch.Tensor:
+                    scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Semantics: sequence i has n_i = query_start_loc[i+1] - query_start_loc[i] new tokens, the last n_i of
     its seq_lens[i] context positions. Each new token at context position p attends (causally) to the
     cached K/V of positions [0, p] of its sequence, read through block_tables[i]; KV head of query head h
-    is h // (num_heads // num_kv_heads) (GQA). Prefill, extend and decode are the same formula.
+    is h // (num_heads // num_kv_heads) (GQA). Prefill, extend and decode are the same formula. K and V are read
+    as dequantize_kv(entry, k_scale / v_scale): an FP8 entry times its scale, in float32 (the scales are ignored
+    for a cache in the model's dtype). Everything after the read is float32, rounded to q's dtype once.
 
     q: [num_tokens, num_heads, head_dim] -> out: [num_tokens, num_heads, head_dim]
     """
@@ -82,14 +108,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lo, hi = query_start_loc[i], query_start_loc[i + 1]
         n_blocks = (ctx + block_size - 1) // block_size
         blocks = block_tables[i, :n_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].repeat_interleave(group, dim=1)  # k: [ctx, num_heads, head_dim]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k.float()) * scale  # [heads, n, ctx]
+        k = dequantize_kv(k_cache[blocks].flatten(0, 1)[:ctx], k_scale)   # k: [ctx, num_kv_heads, head_dim] float32
+        v = dequantize_kv(v_cache[blocks].flatten(0, 1)[:ctx], v_scale)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # [ctx, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * scale  # [heads, n, ctx]
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
         causal = torch.arange(ctx, device=q.device)[None, :] > q_pos[:, None]      # [n, ctx]
         scores.masked_fill_(causal, float("-inf"))
         probs = scores.softmax(dim=-1)
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
 

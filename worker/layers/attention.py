@@ -24,6 +24,10 @@ class Attention(nn.Module):
         # Qwen3's per-head q_norm and k_norm (owned by the model's attention block, which loads them); they share
         # the model's rms_norm_eps, so the fused kernel takes one eps
         self.qk_norm = qk_norm
+        # per-tensor scales of an FP8 KV cache (kernels/reference.store_kv: stored = x / scale, read = stored * scale):
+        # set by the weight loader from the checkpoint (models/kv_scales.py), else 1.0; a cache in the model's dtype
+        # ignores them. Host floats fixed at load, so CUDA graphs capture them as constants
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(self, qkv: torch.Tensor | Deferred, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 batch: ForwardBatch) -> torch.Tensor:
@@ -37,5 +41,5 @@ class Attention(nn.Module):
         norms = None if self.qk_norm is None else (self.qk_norm[0].weight, self.qk_norm[1].weight,
                                                    self.qk_norm[0].eps)
         out = ops.attention(q, k, v, delta, kv_cache, batch, self.rotary.cos, self.rotary.sin, self.scale, norms,
-                            self.kernels)
+                            self.kernels, (self.k_scale, self.v_scale))
         return out.reshape(-1, self.q_size)

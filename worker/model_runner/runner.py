@@ -14,7 +14,7 @@ from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.ipc.messages import SamplingParams, TokenLogprob
-from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks
+from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks, kv_cache_dtype
 from worker.layers.sparse_moe import SparseMoE
 from worker.lora.manager import build_gpu_pool
 from worker.model_runner.cuda_graph import CUDAGraphRunner
@@ -131,8 +131,9 @@ class ModelRunner:
         self.plan: MemoryPlan | None = None     # None when the configuration fixes the KV pool's size
         free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         m, sched, cache = config.model, config.scheduler, config.cache
+        self.kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, dtype, device)     # the KV pool's element type
         self.model = build_model(m.path, dtype, device, m.load_format, max_model_len, config.kernels, m.seed, tp,
-                                 m.quantization)
+                                 m.quantization, kv_cache_dtype=cache.kv_cache_dtype)
         arch = dataclasses.replace(arch, num_kv_heads=self.model.num_kv_heads)   # the K/V this rank caches
         self.lora_pool = build_gpu_pool(self.model, config.lora, dtype, device, config.kernels.lora_side_stream)
         max_blocks = -(-max_model_len // cache.block_size)
@@ -145,12 +146,12 @@ class ModelRunner:
             self.moe_buffer_bytes = self._attach_moe_workspaces(arch, config)
         use_graphs = device.type == "cuda" and not config.enforce_eager
         graph_tokens = min(config.mixed_graph_max_tokens, sched.max_num_batched_tokens)
-        num_blocks = fixed_num_blocks(arch, cache, dtype, device)
+        num_blocks = fixed_num_blocks(arch, cache, self.kv_dtype, device)
         if num_blocks is None:
             self.plan = self._plan_memory(config, arch, max_model_len, free_at_start, use_graphs, graph_tokens)
-            num_blocks = self.plan.kv // bytes_per_block(arch, cache.block_size, dtype)
+            num_blocks = self.plan.kv // bytes_per_block(arch, cache.block_size, self.kv_dtype)
         num_blocks = tp.min_over_ranks(num_blocks)      # one block table for every rank
-        self.kv_pool = KVPool(arch, cache.block_size, num_blocks, dtype, device)
+        self.kv_pool = KVPool(arch, cache.block_size, num_blocks, self.kv_dtype, device)
         logger.info(self.kv_pool.describe(max_model_len))
         self.graph_runner = None
         self.step_paths = StepPaths()
@@ -217,7 +218,7 @@ class ModelRunner:
             weights=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             lora_slots=self.lora_pool.num_bytes, moe_buffers=self.moe_buffer_bytes, activations=activations,
             graphs=graphs,
-            kv_bytes_per_token=bytes_per_block(arch, cache.block_size, self.dtype) // cache.block_size,
+            kv_bytes_per_token=bytes_per_block(arch, cache.block_size, self.kv_dtype) // cache.block_size,
             limits=MemoryLimits(cache.gpu_memory_utilization, max_model_len, sched.max_num_seqs,
                                 sched.max_num_batched_tokens, config.lora.max_loras))
         logger.info(plan.summary())
@@ -290,7 +291,7 @@ class ModelRunner:
         penalties, logprobs, a grammar's bitmask); a graph holds the forward alone. K/V go to a temporary pool
         freed afterwards."""
         lens = profile_lengths(tokens, max_seqs, self.max_model_len)
-        kv = KVPool(arch, block_size, sum(-(-n // block_size) for n in lens), self.dtype, self.device)
+        kv = KVPool(arch, block_size, sum(-(-n // block_size) for n in lens), self.kv_dtype, self.device)
         batch, first_block = ScheduledBatch(), 0
         for i, n in enumerate(lens):
             params = SamplingParams(max_tokens=1, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=5,

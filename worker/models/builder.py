@@ -15,6 +15,7 @@ from worker.kernels.choices import KernelChoices
 from worker.layers.lora.backend import choose_backend
 from worker.layers.weights.format import read_weight_format
 from worker.models.dummy import init_dummy_weights
+from worker.models.kv_scales import log_kv_scales
 from worker.arch import ArchConfig
 from worker.lora.targets import LoRATargets
 from worker.models.llama import LlamaForCausalLM
@@ -60,11 +61,13 @@ def lora_targets(cfg: ArchConfig) -> LoRATargets:
 
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load_format: str,
                 max_positions: int, kernels: KernelConfig, seed: int = 0, tp: TensorParallel = SINGLE,
-                quantization: str | None = None) -> nn.Module:
+                quantization: str | None = None, kv_cache_dtype: str = "auto") -> nn.Module:
     """The model of the checkpoint directory `path` on `device`, its layers built with `kernels` resolved for
     the device (kernels/choices.py, with the LoRA backend of layers/lora/backend.py and the weight format of
     layers/weights/format.py: config.json's quantization_config, or `quantization`; before any CUDA-graph
-    capture), this rank's share of it under `tp`."""
+    capture), this rank's share of it under `tp`. With an FP8 `kv_cache_dtype` (config.KV_CACHE_DTYPES) the
+    checkpoint's KV-cache scales are loaded into the attention layers (models/kv_scales.py); with auto they are
+    ignored."""
     raw = json.loads((Path(path) / "config.json").read_text())
     cfg = ArchConfig.from_dict(raw)
     cls = model_class(cfg.architecture)
@@ -78,8 +81,10 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device, load
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         elif load_format == "auto":
-            load_weights(model, Path(path))
+            load_weights(model, Path(path), kv_cache_scales=kv_cache_dtype != "auto")
         else:
             raise ValueError(f"--load-format {load_format!r} is not supported (auto, dummy)")
         finish_loading(model)
+    if kv_cache_dtype != "auto":
+        log_kv_scales(model)
     return model.eval()

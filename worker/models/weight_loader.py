@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker.models.kv_scales import load_kv_scale
+
 logger = logging.getLogger(__name__)
 
 # one expert's matrix in the per-expert layout (transformers 4, and what transformers 5 saves):
@@ -62,16 +64,20 @@ def checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     return targets
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
+def load_weights(model: nn.Module, model_dir: Path, kv_cache_scales: bool = False) -> None:
     """Fill every checkpoint tensor `model` takes (checkpoint_targets); q/k/v and gate/up go into fused slices. A
     module with `load_shard` (Linear, the vocab-parallel embedding and LM head, the fused experts) is handed the
     whole checkpoint tensor and copies its share: this rank's shard under tensor parallelism (layers/linear.py,
     layers/embedding.py, layers/sparse_moe.py), in the form its weight scheme holds; per-expert matrices go through
-    FusedExperts.load_expert, which keeps the share too. A tensor no module takes is refused by name."""
+    FusedExperts.load_expert, which keeps the share too. KV-cache scales go to the layers' attention when
+    `kv_cache_scales` (an FP8 cache) and are dropped otherwise (models/kv_scales.py). A tensor no module takes is
+    refused by name."""
     targets = checkpoint_targets(model)
     loaded: set[str] = set()
     expert_parts: Counter[str] = Counter()       # fused expert parameter -> per-expert matrices loaded
     for hf_name, tensor in iter_checkpoint(model_dir):
+        if load_kv_scale(model, hf_name, tensor, use=kv_cache_scales):
+            continue
         target = _our_name(model, hf_name)
         if target is None:
             continue
