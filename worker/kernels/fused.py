@@ -115,10 +115,12 @@ def _rotate_heads(base_ptr, t, stride_t, stride_h, num_heads, c, s, half, d_row_
 def as_stored(x, scale, FP8: tl.constexpr):
     """x as the cache stores it (reference.store_kv): float8_e4m3fn(clamp(x / scale, +-448)) for an FP8 cache (a
     correctly rounded division and a round-to-nearest-even cast, as torch's), x itself otherwise."""
-    if FP8:
+    if FP8:      # one return per branch: Triton compiles only the constexpr's branch, and types its return
         y = tl.math.div_rn(x.to(tl.float32), scale)
-        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    return x
+        stored = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        stored = x
+    return stored
 
 
 @triton.jit
