@@ -21,10 +21,11 @@ Running example, block_size 4, adapter "sql" (lora_id 3), a prompt of 9 tokens c
     h0 is evicted:                            BlockRemoved(block_hashes=[h0], medium="GPU", group_idx=0)
 
 The router keys blocks on their own `token_ids`, `lora_name` (or the topic's model when null) and block size, and
-treats the hashes as opaque ids (worker/kv_cache/prefix_cache.py says what ours are). Unlike vLLM, no `extra_keys` are sent:
-vLLM puts the adapter's name there, which router builds before llm-d-router #2929 misread as a multimodal hash;
-without it both old and new builds match adapter blocks. One unknown event type fails a whole batch in the router,
-so only these three are ever sent.
+treats the hashes as opaque ids (worker/kv_cache/prefix_cache.py says what ours are). Unlike vLLM, no `extra_keys`
+are sent: vLLM puts the adapter's name there, which router builds before llm-d-router #2929 misread as a
+multimodal hash; without it both old and new builds match adapter blocks (no multimodal input or cache_salt is
+served, the other things vLLM puts there). One unknown event type fails a whole batch in the router, so only these
+three are ever sent.
 """
 from __future__ import annotations
 
