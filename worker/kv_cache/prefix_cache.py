@@ -18,19 +18,22 @@ Running example, block_size 4, two requests on adapter A (version uid 7) sharing
 The adapter's identity is part of every hash (a prefix computed with one adapter's LoRA deltas never serves
 another adapter or the base model), and so is its version uid: after load_inplace or unload, `drop_adapter`
 takes the old version's blocks out of the cache at once. `allocate` takes the free list first and evicts cached
-blocks only when it runs dry. Keys are Python's tuple hash read as an unsigned 64-bit int (0 moved to 1), every
-chain rooted in a secret of the process; a wrong hit would take two different (parent, tokens, adapter) triples
-colliding in 64 bits, with no way to search for one from outside.
+blocks only when it runs dry. Keys are Python's tuple hash read as an unsigned 64-bit int, every chain rooted in
+a secret of the process, and they never leave it; a wrong hit would take two different (parent, tokens, adapter)
+triples colliding in 64 bits, with no way to search for one from outside.
 
 KV-cache events (worker/kv_events/events.py), recorded when `record_events` is on and taken by the engine after
 each step: BlockStored for each run of blocks made findable (its parent is always findable when it is stored:
 a block whose parent was evicted is not cached, so a router never hears of a child before its parent),
-BlockRemoved for each eviction or dropped adapter version, AllBlocksCleared for a reset. The keys are the
-events' block hashes: the same id in BlockStored and BlockRemoved, unique per prefix and adapter version, never
-0, stable while the process lives (a router that sees the sequence restart forgets this server's blocks).
+BlockRemoved for each eviction or dropped adapter version, AllBlocksCleared for a reset. A block's id in the
+events is `event_hash` of its key, a keyed BLAKE2b (the key another secret of the process), so what subscribers
+see tells nothing about the keys: the same id in BlockStored and BlockRemoved, unique per prefix and adapter
+version (two ids meet with probability 2^-64), never 0, stable while the process lives (a router that sees the
+sequence restart forgets this server's blocks).
 """
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -43,12 +46,20 @@ from worker.request import AdapterRef, Request
 # tokens whose chain collides with another request's (Python's hash of ints is not keyed; of strs it is).
 _ROOT = secrets.randbits(63)
 _UINT64 = (1 << 64) - 1
+_EVENT_KEY = secrets.token_bytes(16)      # keys the ids KV-cache events give blocks
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], adapter: Hashable | None) -> int:
     """The key of one full block: its parent's key (None for the first), its tokens, the adapter version; an
-    unsigned 64-bit int, never 0 (a router reads a parent of 0 as none)."""
-    return hash((_ROOT if parent is None else parent, tuple(token_ids), adapter)) & _UINT64 or 1
+    unsigned 64-bit int."""
+    return hash((_ROOT if parent is None else parent, tuple(token_ids), adapter)) & _UINT64
+
+
+def event_hash(block_hash: int) -> int:
+    """A block's id in KV-cache events: its key through BLAKE2b keyed by a secret, 64 bits, never 0 (a router
+    reads a parent of 0 as none)."""
+    digest = hashlib.blake2b(block_hash.to_bytes(8, "big"), digest_size=8, key=_EVENT_KEY).digest()
+    return int.from_bytes(digest, "big") or 1
 
 
 class PrefixCache:
@@ -255,14 +266,16 @@ class PrefixCache:
                 runs.append([i])
         for run in runs:
             self.events.append(BlockStored(
-                block_hashes=[hashes[i] for i in run], parent_block_hash=hashes[run[0] - 1] if run[0] else None,
+                block_hashes=[event_hash(hashes[i]) for i in run],
+                parent_block_hash=event_hash(hashes[run[0] - 1]) if run[0] else None,
                 token_ids=request.token_ids_slice(run[0] * size, (run[-1] + 1) * size), block_size=size,
                 lora_id=None if adapter is None else adapter.uid, medium=MEDIUM_GPU,
                 lora_name=None if adapter is None else adapter.name, group_idx=0, kv_cache_spec_kind=FULL_ATTENTION))
 
     def _record_removed(self, block_hashes: list[int]) -> None:
         if self.events is not None and block_hashes:
-            self.events.append(BlockRemoved(block_hashes=block_hashes, medium=MEDIUM_GPU, group_idx=0))
+            self.events.append(BlockRemoved(block_hashes=[event_hash(h) for h in block_hashes], medium=MEDIUM_GPU,
+                                            group_idx=0))
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """request.block_hashes, extended to cover its first `num_blocks` blocks (their tokens known)."""

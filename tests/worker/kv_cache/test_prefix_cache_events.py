@@ -5,7 +5,7 @@ import pytest
 
 from worker.ipc.messages import SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
-from worker.kv_cache.prefix_cache import PrefixCache, hash_block
+from worker.kv_cache.prefix_cache import PrefixCache, event_hash, hash_block
 from worker.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored
 from worker.request import AdapterRef, Request
 
@@ -39,10 +39,11 @@ def test_a_run_of_new_blocks_is_one_event_with_its_parent_and_tokens(adapter):
     compute(cache, first, 5)
     h0 = hash_block(None, [1, 2], adapter)
     h1 = hash_block(h0, [3, 4], adapter)
-    assert cache.take_events() == [stored([h0, h1], None, [1, 2, 3, 4], adapter)]
+    assert cache.take_events() == [stored([event_hash(h0), event_hash(h1)], None, [1, 2, 3, 4], adapter)]
     second = make_request([1, 2, 3, 4, 7, 7, 8], adapter, "r2")
     compute(cache, second, 7)
-    assert cache.take_events() == [stored([hash_block(h1, [7, 7], adapter)], h1, [7, 7], adapter)]
+    assert cache.take_events() == [stored([event_hash(hash_block(h1, [7, 7], adapter))], event_hash(h1), [7, 7],
+                                          adapter)]
     assert cache.take_events() == []
 
 
@@ -83,8 +84,9 @@ def test_dropping_an_adapter_version_removes_its_blocks_and_frees_the_unused_one
     cache.free(done.block_ids)
     cache.take_events()
     cache.drop_adapter(A1)
-    assert cache.take_events() == [BlockRemoved(block_hashes=[hash_block(None, [1, 2], A1),
-                                                              hash_block(None, [5, 6], A1)], medium="GPU", group_idx=0)]
+    assert cache.take_events() == [BlockRemoved(block_hashes=[event_hash(hash_block(None, [1, 2], A1)),
+                                                              event_hash(hash_block(None, [5, 6], A1))],
+                                                medium="GPU", group_idx=0)]
     assert cache.allocator.num_free == 8 - 2 and cache.num_cached == 1      # `done`'s block is free again
     running.num_computed_tokens = 4
     running.prompt_token_ids += [8]
@@ -111,14 +113,16 @@ def test_nothing_is_recorded_unless_asked():
     assert cache.events is None and cache.take_events() == []
 
 
-def test_keys_are_nonzero_unsigned_64_bit_and_distinct_per_prefix_tokens_and_version():
+def test_event_ids_are_nonzero_64_bit_stable_and_distinct_per_prefix_tokens_and_version():
     rng = random.Random(0)
-    keys = {}
+    ids = {}
     for _ in range(2000):
-        parent = rng.choice([None, rng.getrandbits(64) or 1])
+        parent = rng.choice([None, rng.getrandbits(64)])
         tokens = tuple(rng.randrange(50) for _ in range(2))
         adapter = rng.choice([None, A1, A2])
         key = hash_block(parent, tokens, adapter)
-        assert 0 < key < 2 ** 64
-        assert keys.setdefault(key, (parent, tokens, adapter)) == (parent, tokens, adapter)
-        assert hash_block(parent, list(tokens), adapter) == key
+        assert 0 <= key < 2 ** 64 and hash_block(parent, list(tokens), adapter) == key
+        block_id = event_hash(key)
+        assert 0 < block_id < 2 ** 64 and event_hash(key) == block_id
+        assert ids.setdefault(block_id, (parent, tokens, adapter)) == (parent, tokens, adapter)
+    assert event_hash(0) != 0
