@@ -16,7 +16,7 @@ from gateway.api_error import APIError
 from gateway.auth import AuthMiddleware
 from gateway.config import GatewayConfig
 from gateway.responses import json_response
-from gateway.routes import adapters, chat, completions, health, lora, models, tokenize
+from gateway.routes import adapters, chat, completions, health, lora, models, render, tokenize
 from gateway.serving import ServingContext
 from gateway.tokenizer import Tokenizer
 
@@ -46,8 +46,8 @@ def build_app(config: GatewayConfig, client: Any, tokenizer: Tokenizer | None = 
         logger.warning("Runtime LoRA loading is on%s.", "" if config.worker.lora.lora_dirs else
                        " and may read any path (no --lora-dir given)")
     app = Starlette(
-        routes=[*completions.routes, *chat.routes, *models.routes, *runtime_loading, *adapters.routes,
-                *tokenize.routes, *health.routes],
+        routes=[*completions.routes, *chat.routes, *render.routes, *models.routes, *runtime_loading,
+                *adapters.routes, *tokenize.routes, *health.routes],
         middleware=[Middleware(AuthMiddleware, api_key=server.api_key)] if server.api_key else [],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
         lifespan=lifespan)

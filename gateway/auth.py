@@ -1,8 +1,10 @@
 """vLLM's --api-key: /v1 paths need `Authorization: Bearer <key>`, and other routes may ask whether a
 request carries it.
 
-/tokenize and /detokenize stay open as in vLLM, but a request without the key never makes them
-register an adapter from a --lora-dir (ServingContext.may_load_adapters).
+/tokenize and /detokenize stay open as in vLLM, and so do the render routes (vLLM guards them under /v1): they
+tokenize as /tokenize does and run nothing, and a router's tokenizer (llm-d's token-producer) calls them without a
+key. A request without the key never makes any of them register an adapter from a --lora-dir
+(ServingContext.may_load_adapters).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 UNAUTHORIZED = b'{"error":"Unauthorized"}'
+OPEN_PATHS = frozenset(("/v1/completions/render", "/v1/chat/completions/render"))   # /v1 paths without the key
 
 
 class APIKey:
@@ -38,7 +41,7 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1") \
-                and not self.api_key.accepts(scope):
+                and scope["path"] not in OPEN_PATHS and not self.api_key.accepts(scope):
             await Response(UNAUTHORIZED, 401, media_type="application/json")(scope, receive, send)
             return
         await self.app(scope, receive, send)

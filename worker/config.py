@@ -233,6 +233,55 @@ def parse_kernel_config(text: str) -> KernelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (vllm/config/kv_events.py, vLLM 0.33.0), same fields and defaults: KV-cache
+    events for prefix-aware routers on a ZMQ PUB socket (worker/kv_events/publisher.py). Off by default."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None        # "zmq" | "null"; None: zmq when events are enabled
+    endpoint: str = "tcp://*:5557"      # PUB; bound when it holds "*" or "::" or is ipc/inproc, else dialled
+    replay_endpoint: str | None = None  # ROUTER answering replay requests; None: no replay
+    buffer_steps: int = 10_000          # batches kept for replay
+    hwm: int = 100_000                  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000       # batches queued for the publisher thread; a full queue holds the step
+    topic: str = ""                     # frame 0 of every message; llm-d reads `kv@<pod-ip>:<port>@<model>`
+
+    def __post_init__(self):
+        if self.publisher not in (None, "zmq", "null"):
+            raise ValueError(f"publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        if min(self.buffer_steps, self.hwm, self.max_queue_size) < 0:
+            raise ValueError("buffer_steps, hwm and max_queue_size must be >= 0")
+
+    @property
+    def publishes(self) -> bool:
+        """Events are on and go to ZMQ (vLLM: the "null" publisher, or events off, sends nothing)."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """`--kv-events-config`: a JSON object of KVEventsConfig fields, the rest at their defaults."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"Invalid JSON for --kv-events-config: {text} ({e})") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"--kv-events-config takes a JSON object of fields, got {text}")
+    fields = {f.name: f for f in dataclasses.fields(KVEventsConfig)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"Unknown --kv-events-config field(s) {', '.join(unknown)}; the fields "
+                                         f"are {', '.join(fields)}")
+    for key, value in data.items():
+        kinds = {"bool": (bool,), "int": (int,), "str": (str,), "str | None": (str, type(None))}[fields[key].type]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise argparse.ArgumentTypeError(f"--kv-events-config field {key} takes a {fields[key].type}, got "
+                                             f"{value!r}")
+    try:
+        return KVEventsConfig(**data)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"Invalid --kv-events-config: {e}") from None
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -266,3 +315,10 @@ class WorkerConfig:
     # by default every step the budget allows replays a graph); 0: such batches run eagerly (decode batches
     # still replay graphs unless enforce_eager)
     mixed_graph_max_tokens: int = 8192
+    # KV-cache events for prefix-aware routers (worker/kv_events/)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig, metadata=flag(
+        "--kv-events-config", type=parse_kv_events_config, metavar="JSON",
+        help='KV-cache events for prefix-aware routers, as vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": true, '
+             '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv@$(POD_IP):8000@<model>"}\' (fields: '
+             'enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, '
+             'topic; default off)'))

@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,15 +28,19 @@ from worker.ranks.group import FollowerRanks
 from worker.distributed.tensor_parallel import SINGLE
 from worker.ipc.messages import AdapterState, LoRAStats, RequestOutput, SamplingParams
 from worker.kv_cache.block_allocator import BlockAllocator
+from worker.kv_events.events import KVEventBatch
 from worker.launch_pacer import LaunchPacer, StepShape
 from worker.lora.loads import FailedLoad
 from worker.lora.manager import AdapterManager
 from worker.model_runner.runner import ModelRunner, StepHandle
 from worker.arch import ArchConfig
-from worker.request import Request
+from worker.request import AdapterRef, Request
 from worker.scheduler.scheduler import Scheduler
 from worker.structured.structured_outputs import StructuredOutputs
 from worker.validation import validate_request
+
+if TYPE_CHECKING:
+    from worker.kv_events.publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +92,9 @@ class Engine:
                                        followers=self.followers)
         allocator = BlockAllocator(self.num_kv_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, allocator, self.adapters.slots, self.adapters.prefetcher,
-                                   enable_prefix_caching=config.cache.enable_prefix_caching)
+                                   enable_prefix_caching=config.cache.enable_prefix_caching,
+                                   record_kv_events=config.kv_events.publishes)
+        self.kv_events = self._kv_event_publisher(config)    # None: no KV-cache events
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None   # launched, tokens not filed
         # times the launches for the worker loop (launch_delay); only where the host runs ahead of a device
         paced = config.late_launch and config.async_scheduling and self.device.type == "cuda"
@@ -105,11 +112,17 @@ class Engine:
                     warm: bool = False) -> None:
         """Validate and register an adapter; its weights are read when a request first needs them, or now,
         beside the steps, into the host cache when `warm` and the cache has room (--lora-modules)."""
+        old = self.adapters.registry.refs.get(name)
         self.adapters.registry.add(name, path, load_inplace=load_inplace, pinned=pinned, warm=warm)
+        if old is not None:
+            self._drop_cached_blocks(old)
 
     def remove_adapter(self, name: str) -> None:
         """Unregister `name`: new requests get 404, unfinished ones finish, then its memory is freed."""
+        ref = self.adapters.registry.refs.get(name)
         self.adapters.registry.remove(name)
+        if ref is not None:
+            self._drop_cached_blocks(ref)
 
     def adapter_states(self) -> list[AdapterState]:
         return self.adapters.registry.states(Counter(r.adapter for r in self.scheduler.running),
@@ -185,9 +198,23 @@ class Engine:
     def waiting_adapter_names(self) -> list[str]:
         return sorted({r.adapter.name for r in self.scheduler.waiting if r.adapter})
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (AllBlocksCleared), as vLLM's: False, and nothing changes, while any
+        request holds blocks."""
+        done = self.scheduler.blocks.reset()
+        self._publish_kv_events()
+        return done
+
     # the step
 
     def step(self) -> list[RequestOutput]:
+        """One forward pass, launched; returns the outputs known by then (and publishes the step's KV-cache
+        events)."""
+        outputs = self._step()
+        self._publish_kv_events()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """One forward pass, launched; returns the outputs known by then.
 
         With async scheduling, the batch is launched while the previous one may still run on the
@@ -324,6 +351,29 @@ class Engine:
                              num_prompt_tokens=request.num_prompt_tokens,
                              queue_time=request.queue_time if first else None,
                              num_cached_tokens=request.num_cached_tokens if first else None)
+
+    @staticmethod
+    def _kv_event_publisher(config: WorkerConfig) -> KVEventPublisher | None:
+        """The KV-cache event publisher `--kv-events-config` asks for; None when events are off. pyzmq is imported
+        only then."""
+        if not config.kv_events.publishes:
+            return None
+        if not config.cache.enable_prefix_caching:
+            logger.warning("KV-cache events are on but prefix caching is off: no block is ever cached, so no "
+                           "event is sent")
+        from worker.kv_events.publisher import KVEventPublisher
+        return KVEventPublisher(config.kv_events)
+
+    def _publish_kv_events(self) -> None:
+        """Hand the KV-cache events recorded since the last call to the publisher, as one batch."""
+        events = self.scheduler.blocks.take_events()
+        if events and self.kv_events is not None:
+            self.kv_events.publish(KVEventBatch(time.time(), events, data_parallel_rank=0))
+
+    def _drop_cached_blocks(self, ref: AdapterRef) -> None:
+        """An adapter version was retired: its cached blocks leave the prefix cache now (BlockRemoved)."""
+        self.scheduler.blocks.drop_adapter(ref)
+        self._publish_kv_events()
 
     def _forget(self, request: Request) -> None:
         """A finished request gives back its reference on its adapter's version, and its grammar matcher."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -22,11 +23,29 @@ from gateway.sse import cancel_on_disconnect, merge, sse_response
 from gateway.structured import checked_start, structured_output, uses_token_constraints
 from gateway.tokenizer import Delta, IncrementalDetokenizer, Tokenizer
 from gateway.tool_calls import PARSERS, ToolCallStream, ToolChoice
-from worker.ipc.messages import TokenLogprob
+from worker.ipc.messages import SamplingParams, StructuredOutput, TokenLogprob
 
 
-async def create_chat_completion(request: Request) -> Response:
-    server: ServingContext = request.app.state.server
+@dataclass
+class ChatPrompt:
+    """What a checked chat request runs with (the /v1/chat/completions/render route answers with it too)."""
+    body: ChatCompletionRequest
+    lora_name: str | None
+    tools: ToolChoice
+    template_kwargs: dict[str, Any]
+    prompt_ids: list[int]
+    max_tokens: int
+    structured: StructuredOutput | None
+    bad_words: list[list[int]]
+
+    def sampling_params(self, index: int) -> SamplingParams:
+        body = self.body
+        return body.sampling_params(self.max_tokens, body.num_logprobs, body.prompt_logprobs, index, self.bad_words,
+                                    self.structured)
+
+
+async def chat_prompt(server: ServingContext, request: Request) -> ChatPrompt:
+    """The request's body checked as vLLM checks it, its model resolved and its messages rendered to tokens."""
     body = await server.read_json(request, ChatCompletionRequest)
     lora_name = await server.resolve(request, body.model)
     body.validate_sampling(server.config.max_logprobs, body.num_logprobs)
@@ -38,24 +57,30 @@ async def create_chat_completion(request: Request) -> Response:
                                    template_kwargs)
     requested, param = body.max_output_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), server.max_model_len, param)
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
     structured = tools.constraint() or structured_output(body)   # a tool's schema wins, as in vLLM
-    bad_words = server.tokenizer.bad_words_token_ids(body.bad_words)
+    return ChatPrompt(body, lora_name, tools, template_kwargs, prompt_ids, max_tokens, structured,
+                      server.tokenizer.bad_words_token_ids(body.bad_words))
+
+
+async def create_chat_completion(request: Request) -> Response:
+    server: ServingContext = request.app.state.server
+    chat = await chat_prompt(server, request)
+    body, tools, prompt_ids = chat.body, chat.tools, chat.prompt_ids
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = []
     for index in range(body.n):
-        params = body.sampling_params(max_tokens, body.num_logprobs, body.prompt_logprobs, index, bad_words,
-                                      structured)
+        params = chat.sampling_params(index)
         detokenizer = IncrementalDetokenizer(server.tokenizer, prompt_ids, stop=body.stop_strings,
                                              skip_special_tokens=body.skip_special_tokens and tools.mode != "auto",
                                              include_stop_str_in_output=body.include_stop_str_in_output)
-        streams.append(server.generate(f"{response_id}-{index}", prompt_ids, params, lora_name, detokenizer))
+        streams.append(server.generate(f"{response_id}-{index}", prompt_ids, params, chat.lora_name, detokenizer))
     deltas = merge(streams)
     header = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
               "model": body.model or server.served_models.base_name}
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
     if body.stream:
         header["object"] = "chat.completion.chunk"
-        if structured is not None or uses_token_constraints(body):
+        if chat.structured is not None or uses_token_constraints(body):
             deltas = await checked_start(deltas)
         return sse_response(_chunks(server.tokenizer, body, tools, prompt_ids, role, deltas, header))
     choices = await cancel_on_disconnect(request, collect_choices(deltas, body.n))

@@ -37,11 +37,7 @@ class Job:
 
 async def create_completion(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    body = await server.read_json(request, CompletionRequest)
-    lora_name = await server.resolve(request, body.model)
-    body.validate_sampling(server.config.max_logprobs, body.logprobs)
-    check_best_of(body.best_of, body.n)
-    jobs = await _jobs(server, body)
+    body, lora_name, jobs = await completion_jobs(server, request)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", body.model or server.served_models.base_name
     deltas = merge([_choice_stream(server, body, job, lora_name, response_id) for job in jobs])
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model}
@@ -53,6 +49,16 @@ async def create_completion(request: Request) -> Response:
     if choices is None:
         return Response(status_code=499)
     return json_response(_response(server.tokenizer, body, jobs, choices, header))
+
+
+async def completion_jobs(server: ServingContext, request: Request) -> tuple[CompletionRequest, str | None, list[Job]]:
+    """The request's body checked as vLLM checks it, its model resolved (the adapter's name, None for the base)
+    and its choices' jobs (prompt * n + sample); the /v1/completions/render route answers with them too."""
+    body = await server.read_json(request, CompletionRequest)
+    lora_name = await server.resolve(request, body.model)
+    body.validate_sampling(server.config.max_logprobs, body.logprobs)
+    check_best_of(body.best_of, body.n)
+    return body, lora_name, await _jobs(server, body)
 
 
 async def _jobs(server: ServingContext, body: CompletionRequest) -> list[Job]:

@@ -41,7 +41,8 @@ EPP_CONFIG_FIELDS = {"apiVersion", "kind", "featureGates", "plugins", "schedulin
                      "flowControl", "requestHandler", "saturationDetector", "parser"}
 # Plugin types the picker registers (llm-d-router cmd/epp/runner/runner.go) that this config uses.
 EPP_PLUGIN_TYPES = {"metrics-data-source", "core-metrics-extractor", "queue-scorer", "kv-cache-utilization-scorer",
-                    "prefix-cache-scorer", "lora-affinity-scorer", "max-score-picker", "single-profile-handler"}
+                    "prefix-cache-scorer", "lora-affinity-scorer", "max-score-picker", "single-profile-handler",
+                    "endpoint-notification-source", "token-producer", "precise-prefix-cache-producer"}
 
 
 def objects(kind: str) -> dict[str, dict]:
@@ -104,8 +105,8 @@ def test_inference_pool_selects_the_loraplex_pods_on_their_port():
     pool, deployment = only("InferencePool", "loraplex"), only("Deployment", "loraplex")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    ports = [p["containerPort"] for p in container(deployment, "loraplex")["ports"]]
-    assert [p["number"] for p in pool["spec"]["targetPorts"]] == ports
+    ports = {p["name"]: p["containerPort"] for p in container(deployment, "loraplex")["ports"]}
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["http"]]
 
 
 def test_inference_pool_points_at_the_pickers_ext_proc_port():
@@ -146,7 +147,8 @@ def test_picker_config_turns_the_lora_affinity_scorer_on():
     assert weights["lora-affinity-scorer"] > 0
     sources = config["dataLayer"]["sources"]
     assert [(declared[s["pluginRef"]], [declared[e["pluginRef"]] for e in s["extractors"]]) for s in sources] == [
-        ("metrics-data-source", ["core-metrics-extractor"])]
+        ("metrics-data-source", ["core-metrics-extractor"]),
+        ("endpoint-notification-source", ["precise-prefix-cache-producer"])]
     source = next(p for p in config["plugins"] if p["type"] == "metrics-data-source")
     assert source["parameters"]["path"] == "/metrics"
 
@@ -182,7 +184,7 @@ def test_loraplex_listens_where_the_probes_and_the_pool_point(loraplex_args):
     pod = only("Deployment", "loraplex")["spec"]["template"]["spec"]
     server = container(only("Deployment", "loraplex"), "loraplex")
     named = {p["name"]: p["containerPort"] for p in server["ports"]}
-    assert loraplex_args.host == "0.0.0.0" and list(named.values()) == [loraplex_args.port]
+    assert loraplex_args.host == "0.0.0.0" and named["http"] == loraplex_args.port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert server[probe]["httpGet"]["path"] == "/health"
         assert named[server[probe]["httpGet"]["port"]] == loraplex_args.port
@@ -203,3 +205,34 @@ def test_loraplex_takes_a_gpu_and_reads_model_and_adapters_from_read_only_volume
     assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
     assert loraplex_args.allow_runtime_lora_updating      # an adapter under --lora-dir loads on first use
     assert any(e["name"] == "VLLM_API_KEY" and "secretKeyRef" in e["valueFrom"] for e in server["env"])
+
+
+def test_picker_subscribes_to_each_pods_kv_events_and_renders_on_loraplex(loraplex_args):
+    """The precise prefix-cache wiring, as llm-d-router ebab6879 reads it: the picker dials
+    tcp://<pod ip>:<socketPort> (replay on <replaySocketPort>) and parses topics as kv@<pod>@<model>, the model
+    being what base requests name; the token-producer POSTs to <url>/v1/completions/render with `model` set to
+    its modelName; the prefix-cache scorer reads the precise producer's match info."""
+    events = loraplex_args.kv_events_config
+    server = container(only("Deployment", "loraplex"), "loraplex")
+    named = {p["name"]: p["containerPort"] for p in server["ports"]}
+    plugins = {p["type"]: p.get("parameters", {}) for p in epp_config()["plugins"]}
+    producer = plugins["precise-prefix-cache-producer"]
+    discovery = producer["kvEventsConfig"]["podDiscoveryConfig"]
+    assert events.publishes and events.endpoint == f"tcp://*:{discovery['socketPort']}" == "tcp://*:5556"
+    assert events.replay_endpoint == f"tcp://*:{discovery['replaySocketPort']}"
+    assert {named["kv-events"], named["kv-replay"]} == {discovery["socketPort"], discovery["replaySocketPort"]}
+    subscribing = producer["kvEventsConfig"]
+    assert subscribing["discoverPods"] and events.topic.startswith(subscribing["topicFilter"])
+    served = loraplex_args.served_model_name[0]
+    assert events.topic == f"kv@$(POD_IP):{loraplex_args.port}@{served}"
+    assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+               for e in server["env"])
+    assert producer["tokenProcessorConfig"]["blockSizeTokens"] == loraplex_args.block_size
+    assert plugins["prefix-cache-scorer"]["prefixMatchInfoProducerName"] == "precise-prefix-cache-producer"
+    render = plugins["token-producer"]
+    assert render["modelName"] == served
+    service = only("Service", render["vllm"]["url"].removeprefix("http://").split(":")[0])
+    pod_labels = only("Deployment", "loraplex")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    port = next(p for p in service["spec"]["ports"] if p["port"] == int(render["vllm"]["url"].rsplit(":", 1)[1]))
+    assert named[port["targetPort"]] == loraplex_args.port

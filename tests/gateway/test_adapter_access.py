@@ -47,8 +47,12 @@ def test_vllm_allow_runtime_lora_updating_turns_runtime_loading_on(monkeypatch, 
     assert flagged.allow_runtime_lora_updating is False
 
 
-@pytest.mark.parametrize("route, body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})])
-async def test_tokenize_without_the_key_neither_loads_nor_reveals_adapter_directories(lora_dir, route, body):
+@pytest.mark.parametrize("route, body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}),
+                                         ("/v1/completions/render", {"prompt": "hi"}),
+                                         ("/v1/chat/completions/render",
+                                          {"messages": [{"role": "user", "content": "hi"}]})])
+async def test_tokenize_and_render_without_the_key_neither_load_nor_reveal_adapter_directories(lora_dir, route,
+                                                                                               body):
     async with serve(lora=LoRAConfig(lora_dirs=(lora_dir,)), api_key="secret",
                      allow_runtime_lora_updating=True) as (http, client, _):
         found = await http.post(route, json={"model": "found", **body})
@@ -60,6 +64,9 @@ async def test_tokenize_without_the_key_neither_loads_nor_reveals_adapter_direct
     assert error_of(missing) == (404, "The model `missing` does not exist.", "model")
     assert served.status_code == 200 and "found" not in models
     assert with_key.status_code == 200
+    if route.endswith("/render"):       # open like /tokenize; the route it renders for still needs the key
+        async with serve(api_key="secret") as (http, _, _):
+            assert (await http.post(route.removesuffix("/render"), json={"model": ADAPTER, **body})).status_code == 401
 
 
 @pytest.mark.parametrize("name, rule", [

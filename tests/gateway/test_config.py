@@ -134,7 +134,8 @@ SERVE_FLAGS = {
     "--block-size", "--gpu-memory-utilization", "--num-gpu-blocks-override", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "--device",
     "--tensor-parallel-size", "-tp", "--dtype", "--load-format", "--enforce-eager", "--async-scheduling",
-    "--no-async-scheduling", "--late-launch", "--no-late-launch", "--kernel-config", "--seed", "--host", "--port",
+    "--no-async-scheduling", "--late-launch", "--no-late-launch", "--kernel-config", "--kv-events-config", "--seed",
+    "--host", "--port",
     "--api-key", "--max-request-body-bytes", "--shutdown-timeout", "--uvicorn-log-level", "-h", "--help"}
 
 

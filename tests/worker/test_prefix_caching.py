@@ -211,3 +211,17 @@ def test_queries_and_hits_count_prompt_tokens(llama):
     off = make_engine(llama, False)
     run_waves(off, [[("a", system + [3], "r4-qv")]])
     assert (off.prefix_cache_queries, off.prefix_cache_hits) == (0, 0)
+
+
+def test_reset_prefix_cache_forgets_every_block_once_none_is_in_use(llama):
+    system = tokens(SYSTEM, seed=13)
+    engine = make_engine(llama, True)
+    run_waves(engine, [[("a", system + [3], None)]])
+    engine.add_request("busy", system + [4], SamplingParams(max_tokens=2), None)
+    engine.step()
+    assert not engine.reset_prefix_cache()              # "busy" holds blocks: nothing changes, as in vLLM
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.reset_prefix_cache()
+    after = run_waves(engine, [[("b", system + [5], None)]])
+    assert after["b"]["cached"] == 0 and engine.scheduler.blocks.num_free == engine.num_kv_blocks

@@ -40,9 +40,10 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, block_allocator: BlockAllocator, slot_table: SlotTable,
-                 prefetcher: Prefetcher | None = None, enable_prefix_caching: bool = False):
+                 prefetcher: Prefetcher | None = None, enable_prefix_caching: bool = False,
+                 record_kv_events: bool = False):
         self.config = scheduler_config
-        self.blocks = PrefixCache(block_allocator, enable_prefix_caching)
+        self.blocks = PrefixCache(block_allocator, enable_prefix_caching, record_kv_events)
         self.slots = slot_table             # lora/manager.py's: max_loras slots, as many as the GPU pool
         self.prefetcher = prefetcher        # None: blocking adapter loads
         self.waiting: list[Request] = []   # policy.waiting_key order; read-only outside this class
