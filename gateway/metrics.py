@@ -10,11 +10,25 @@ arrival, prefill = first token - first scheduled, decode = last token - first to
 token - first scheduled, time per output token = decode / (generated tokens - 1).
 
 `vllm:lora_requests_info` is what the Gateway API Inference Extension's endpoint picker (the llm-d router)
-reads for LoRA affinity: one series whose value is the time it was rendered (the picker keeps the series with
-the largest value), `max_lora` = --max-loras, `waiting_lora_adapters` = adapters of queued requests, and
+reads for LoRA affinity: one series whose value is the time it was rendered (the picker keeps the series with the
+largest value), `max_lora` = --max-loras, `waiting_lora_adapters` = adapters of queued requests, and
 `running_lora_adapters` = adapters resident in a GPU slot (plus those of running requests), comma-separated:
-"already loaded here", which the picker's LoRA-affinity scorer ranks first. vLLM lists only adapters of
-running requests there; an idle adapter still in its slot would then look absent to the router.
+"already loaded here", which the picker's LoRA-affinity scorer ranks first. vLLM 0.33.0 lists in both labels the
+adapters with a request in flight (LoRARequestStates); an idle adapter still in its slot would then look absent
+to the released router, whose lora-affinity-scorer reads only this family.
+
+Residency follows vLLM's open pull requests #51433 (engine notifications) and #54830 (LoRA load events and their
+metrics), as llm-d-router's open #2792 (lora-load-state-scorer) reads them; none is in a vLLM release yet, and these
+names follow theirs if they change:
+- `vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}`: a gauge at 1 per adapter whose weights are loaded:
+  `level="gpu"` in a GPU slot (its copy done), else `level="cpu"` in the host cache; `pinned` "true" or "false";
+  `rank` its LoRA rank. An adapter's series goes when it leaves both tiers or is unloaded, so the family holds at
+  most one series per loaded adapter.
+- `vllm:num_gpu_loaded_lora_adapters` and `vllm:num_cpu_loaded_lora_adapters`: adapters in a GPU slot, and adapters
+  in either tier (vLLM's CPU tier holds every GPU-resident adapter too).
+- `vllm:max_gpu_lora_adapters`: --max-loras. These three are present from the worker's first stats on.
+- `vllm:lora_adapter_load_seconds{transition}`: a histogram of load times, `transition="load"` disk to host cache,
+  `transition="activate"` host cache to GPU slot (the two transitions #2792's scorer prices).
 
 `loraplex:` metrics count requests and tokens per adapter, and describe the adapter tiers (GPU slots,
 host cache) with hits, misses, loads, evictions and load latency per tier, from the worker's LoRAStats.
@@ -229,11 +243,35 @@ class Metrics:
                      "running_lora_adapters": ",".join(stats.running_adapters)}
         _family(out, "vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
                 [_sample("vllm:lora_requests_info", lora_info, time.time())])
+        if stats.lora is not None:
+            self._render_residency(out, engine, stats.lora)
         if self.num_gpu_blocks is not None:
             _family(out, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
                     [_sample("vllm:cache_config_info", self._cache_labels(), 1)])
         self._render_adapters(out, stats)
         return "\n".join(out) + "\n"
+
+    def _render_residency(self, out: list[str], engine: dict[str, object], lora: LoRAStats) -> None:
+        """The residency families of vLLM's open #54830 (module docstring)."""
+        name = "vllm:lora_adapter_loaded"
+        _family(out, name, "gauge", "LoRA adapters whose weights are loaded, by tier (gpu: a GPU slot; cpu: "
+                "only the host cache).",
+                [_sample(name, {**engine, "adapter_name": a.name, "level": a.level,
+                                "pinned": "true" if a.pinned else "false", "rank": a.rank}, 1)
+                 for a in lora.loaded])
+        num_gpu = sum(a.level == "gpu" for a in lora.loaded)
+        for name, value, help_text in (
+                ("vllm:num_gpu_loaded_lora_adapters", num_gpu, "LoRA adapters in GPU slots."),
+                ("vllm:num_cpu_loaded_lora_adapters", len(lora.loaded),
+                 "LoRA adapters in the host cache or in GPU slots."),
+                ("vllm:max_gpu_lora_adapters", lora.gpu_slots_total, "GPU LoRA slots (--max-loras).")):
+            _family(out, name, "gauge", help_text, [_sample(name, engine, value)])
+        name = "vllm:lora_adapter_load_seconds"
+        _family(out, name, "histogram", "LoRA adapter load time in seconds, by transition (load: disk to host "
+                "cache; activate: host cache to GPU slot).",
+                [line for transition, tier in (("load", lora.host), ("activate", lora.gpu))
+                 for line in Histogram.of(lora.load_seconds_buckets, tier.load_seconds_counts,
+                                          tier.load_seconds_sum).samples(name, {**engine, "transition": transition})])
 
     def _adapter_labels(self, lora_name: str) -> str:
         """`{lora_name="...",model_name="..."}`, as _sample writes it, made once per adapter: with a thousand

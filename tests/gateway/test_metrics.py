@@ -11,7 +11,7 @@ from fake_worker_client import FakeWorkerClient
 from gateway.metrics import Metrics
 from gateway_app import ADAPTER, BASE, serve
 from worker.config import CacheConfig
-from worker.ipc.messages import Ready, RequestOutput, Stats
+from worker.ipc.messages import LoadedAdapter, LoRAStats, LoRATierStats, Ready, RequestOutput, Stats
 
 ENGINE = ("engine", "model_name")
 # vLLM 0.33.0, vllm/v1/metrics/buckets.py
@@ -182,6 +182,66 @@ async def test_lora_requests_info_is_one_series_of_the_latest_stats():
     assert [labels for labels, _ in info] == [{"max_lora": "4", "running_lora_adapters": "",
                                                "waiting_lora_adapters": ""}]
     assert info[0][1] > 1e9          # set to the current unix time, as vLLM's set_to_current_time()
+
+
+LOAD_BUCKETS = [0.5, 2.0]
+
+
+def lora_stats(loaded: list[LoadedAdapter], gpu_counts=(0, 0, 0), host_counts=(0, 0, 0)) -> LoRAStats:
+    return LoRAStats(gpu_slots_used=sum(a.level == "gpu" for a in loaded), gpu_slots_total=2, host_entries=3,
+                     host_capacity=None, host_bytes=0, load_seconds_buckets=LOAD_BUCKETS, loaded=loaded,
+                     gpu=LoRATierStats(load_seconds_counts=list(gpu_counts), load_seconds_sum=0.25),
+                     host=LoRATierStats(load_seconds_counts=list(host_counts), load_seconds_sum=3.0))
+
+
+RESIDENCY = {   # name: (type, labels), as vLLM's open #54830 and llm-d-router's open #2792 name them
+    "vllm:lora_adapter_loaded": ("gauge", (*ENGINE, "adapter_name", "level", "pinned", "rank")),
+    "vllm:num_gpu_loaded_lora_adapters": ("gauge", ENGINE),
+    "vllm:num_cpu_loaded_lora_adapters": ("gauge", ENGINE),
+    "vllm:max_gpu_lora_adapters": ("gauge", ENGINE),
+    "vllm:lora_adapter_load_seconds": ("histogram", (*ENGINE, "transition")),
+}
+
+
+def test_residency_families_have_the_open_pull_requests_names_types_and_labels():
+    text = Metrics(BASE, 2, 16, 0.9).render(Stats(num_running=0, num_waiting=0, lora=lora_stats(
+        [LoadedAdapter("a", "gpu", True, 8), LoadedAdapter("b", "cpu", False, 16)])))
+    for name, (kind, label_names) in RESIDENCY.items():
+        assert f"# TYPE {name} {kind}" in text.splitlines()
+        suffixes = ("_bucket", "_sum", "_count") if kind == "histogram" else ("",)
+        found = {tuple(sorted(set(labels) - {"le"})) for n, labels, _ in samples(text) if n in {name + s for s in suffixes}}
+        assert found == {tuple(sorted(label_names))}, name
+
+
+def test_each_loaded_adapter_is_one_series_at_one_with_its_tier_pin_and_rank():
+    text = Metrics(BASE, 2, 16, 0.9).render(Stats(num_running=0, num_waiting=0, lora=lora_stats(
+        [LoadedAdapter("a", "gpu", True, 8), LoadedAdapter("b", "cpu", False, 16), LoadedAdapter("c", "gpu", False, 4)])))
+    loaded = {(labels["adapter_name"], labels["level"], labels["pinned"], labels["rank"]): v
+              for name, labels, v in samples(text) if name == "vllm:lora_adapter_loaded"}
+    assert loaded == {("a", "gpu", "true", "8"): 1.0, ("b", "cpu", "false", "16"): 1.0, ("c", "gpu", "false", "4"): 1.0}
+    assert value(text, "vllm:num_gpu_loaded_lora_adapters") == 2
+    assert value(text, "vllm:num_cpu_loaded_lora_adapters") == 3     # the CPU tier counts the GPU's adapters too
+    assert value(text, "vllm:max_gpu_lora_adapters") == 2
+
+
+def test_an_evicted_or_unloaded_adapters_series_goes_with_it():
+    metrics = Metrics(BASE, 2, 16, 0.9)
+    before = metrics.render(Stats(num_running=0, num_waiting=0, lora=lora_stats([LoadedAdapter("a", "gpu", False, 8)])))
+    after = metrics.render(Stats(num_running=0, num_waiting=0, lora=lora_stats([])))
+    assert 'adapter_name="a"' in before and 'adapter_name="a"' not in after
+    assert "# TYPE vllm:lora_adapter_loaded gauge" in after.splitlines()
+    assert (value(after, "vllm:num_gpu_loaded_lora_adapters"), value(after, "vllm:num_cpu_loaded_lora_adapters"),
+            value(after, "vllm:max_gpu_lora_adapters")) == (0, 0, 2)
+
+
+def test_load_seconds_splits_disk_loads_from_activations():
+    text = Metrics(BASE, 2, 16, 0.9).render(Stats(num_running=0, num_waiting=0, lora=lora_stats(
+        [], gpu_counts=(3, 0, 0), host_counts=(0, 1, 1))))
+    name = "vllm:lora_adapter_load_seconds"
+    assert buckets(text, name) == [*LOAD_BUCKETS, float("inf")] * 2
+    assert [(value(text, f"{name}_count", transition=t), value(text, f"{name}_sum", transition=t))
+            for t in ("load", "activate")] == [(2, 3.0), (3, 0.25)]
+    assert value(text, f"{name}_bucket", transition="load", le="2.0") == 1
 
 
 class Clock:

@@ -3,7 +3,7 @@
 The gateway imports this module, so it must stay free of torch and of anything that imports it.
 Gateway → worker: AddRequest, AbortRequest, AdapterCommand, Shutdown.
 Worker → gateway: Ready, StartupFailed, OutputBatch (RequestOutputs), AdapterCommandResult, Stats.
-AdapterState and LoRAStats ride inside AdapterCommandResult ("list") and Stats.
+AdapterState, LoRAStats and LoadedAdapter ride inside AdapterCommandResult ("list") and Stats.
 """
 from __future__ import annotations
 
@@ -157,6 +157,14 @@ class LoRATierStats(msgspec.Struct, kw_only=True):
     load_seconds_sum: float = 0.0
 
 
+class LoadedAdapter(msgspec.Struct, array_like=True, frozen=True):
+    """A registered adapter (its current version) whose weights are in a tier: vllm:lora_adapter_loaded's series."""
+    name: str
+    level: str                          # "gpu": in a GPU slot, its copy done; "cpu": only in the host cache
+    pinned: bool
+    rank: int
+
+
 class LoRAStats(msgspec.Struct, kw_only=True):
     gpu_slots_used: int
     gpu_slots_total: int
@@ -166,6 +174,7 @@ class LoRAStats(msgspec.Struct, kw_only=True):
     load_seconds_buckets: list[float]   # upper bounds of the load-latency histograms
     host: LoRATierStats
     gpu: LoRATierStats
+    loaded: list[LoadedAdapter] = []    # by name: the adapters in a GPU slot or in the host cache
 
 
 class Stats(msgspec.Struct, tag=True):

@@ -54,6 +54,10 @@ class HostCache:
     def is_filled(self, ref: AdapterRef) -> bool:
         return self._entries.get(ref) is not None
 
+    def filled(self) -> list[AdapterRef]:
+        """The adapters whose read has completed, least recently used first."""
+        return [ref for ref, entry in self._entries.items() if entry is not None]
+
     def has_room(self) -> bool:
         """Whether an entry can be added without evicting one."""
         return self.capacity is None or len(self._entries) < self.capacity

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from worker.config import LoRAConfig
-from worker.ipc.messages import AdapterState, LoRAStats, LoRATierStats
+from worker.ipc.messages import AdapterState, LoadedAdapter, LoRAStats, LoRATierStats
 from worker.lora.adapter import AdapterError, AdapterSpec, inspect_adapter
 from worker.lora.host_cache import HostCache
 from worker.lora.reader import AdapterReader
@@ -154,7 +154,19 @@ class AdapterRegistry:
                          host_entries=len(self.host_cache), host_capacity=self.host_cache.capacity,
                          host_bytes=self.host_cache.num_bytes, load_seconds_buckets=list(LOAD_SECONDS_BUCKETS),
                          host=self.tiers["host"].message(self.host_cache.evictions),
-                         gpu=self.tiers["gpu"].message(self.slots.evictions))
+                         gpu=self.tiers["gpu"].message(self.slots.evictions), loaded=self.loaded_adapters())
+
+    def loaded_adapters(self) -> list[LoadedAdapter]:
+        """The registered names whose current version is in a GPU slot (its copy done: "gpu") or, if not, filled
+        in the host cache ("cpu"), by name. A name leaves the list when it is evicted from both tiers or unloaded.
+        Walks the tiers' residents, not every registered name (this runs every step)."""
+        loaded = []
+        for ref in set(self.slots.residents()) | set(self.host_cache.filled()):
+            level = "gpu" if self.slots.is_loaded(ref) else "cpu" if self.host_cache.is_filled(ref) else None
+            if level is not None and self.refs.get(ref.name) == ref:
+                version = self.versions[ref]
+                loaded.append(LoadedAdapter(ref.name, level, version.pinned, version.spec.rank))
+        return sorted(loaded, key=lambda adapter: adapter.name)
 
     def _state(self, ref: AdapterRef, num_running: int, num_waiting: int) -> AdapterState:
         v, slots = self.versions[ref], self.slots

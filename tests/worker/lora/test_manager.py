@@ -7,9 +7,11 @@ import concurrent.futures
 import pytest
 import torch
 
+from tests.hf_fixtures import ADAPTERS
 from tests.worker.lora.engine_runs import InlineExecutor
 from worker.config import KernelConfig, LoRAConfig
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
+from worker.ipc.messages import LoadedAdapter
 from worker.lora.adapter import AdapterSpec
 from worker.lora.host_cache import HostAdapter
 from worker.lora.manager import AdapterManager, build_gpu_pool
@@ -104,6 +106,30 @@ def test_resident_names_are_the_current_versions_holding_a_slot(llama, variants)
     assert m.resident_names() == set()           # the slot holds an older version of x
     m.slots.reserve(m.registry.refs["y"])
     assert m.resident_names() == {"y"}
+
+
+def test_loaded_adapters_list_each_current_version_once_by_its_fastest_tier(llama, variants):
+    """vllm:lora_adapter_loaded's series: "gpu" once a slot's copy is done, "cpu" for a filled host-cache entry."""
+    m = make_manager(llama, LoRAConfig(max_loras=2))
+    m.registry.add("x", variants["v0"])
+    m.registry.add("y", variants["v1"], pinned=True)
+    x, y = m.registry.refs["x"], m.registry.refs["y"]
+    rank = {"x": ADAPTERS[0].r, "y": ADAPTERS[1].r}               # v0, v1: the fixtures' first two, scaled
+    m.slots.reserve(x)                           # its copy in flight
+    assert m.registry.loaded_adapters() == []
+    m.slots.mark_loaded(x)
+    m.host_cache.reserve(x)
+    m.host_cache.fill(x, HostAdapter(torch.zeros(1, dtype=torch.uint8), rank["x"]))
+    m.host_cache.reserve(y)
+    assert m.registry.loaded_adapters() == [LoadedAdapter("x", "gpu", False, rank["x"])]    # y's read in flight
+    m.host_cache.fill(y, HostAdapter(torch.zeros(1, dtype=torch.uint8), rank["y"]))
+    assert m.registry.loaded_adapters() == [LoadedAdapter("x", "gpu", False, rank["x"]),
+                                            LoadedAdapter("y", "cpu", True, rank["y"])]
+    m.registry.acquire("x")                      # a running request keeps this version alive
+    m.registry.add("x", variants["v2"], load_inplace=True)
+    assert [a.name for a in m.registry.loaded_adapters()] == ["y"]      # the tiers hold an older version of x
+    m.registry.remove("y")
+    assert m.registry.loaded_adapters() == []
 
 
 # a follower rank
