@@ -282,6 +282,57 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's --structured-outputs-config (vllm/config/structured_outputs.py, vLLM 0.33.0), as far as it means
+    something here: grammars are compiled by xgrammar (worker/structured/)."""
+    backend: str = "auto"                  # auto | xgrammar: both compile with xgrammar
+    # every JSON grammar (json, json_object, response_format, a named or required tool call) admits no whitespace
+    # between elements, whatever the request says
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False   # vLLM's guidance backend only: refused when set
+    reasoning_parser: str = ""                    # no reasoning parser here: refused when set
+    reasoning_parser_plugin: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self):
+        if self.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured outputs backend {self.backend!r} is not available: this server compiles "
+                             "grammars with xgrammar (backend 'auto' or 'xgrammar')")
+        if self.disable_any_whitespace and self.backend != "xgrammar":
+            raise ValueError("disable_any_whitespace is only supported for xgrammar and guidance backends.")
+        if self.disable_additional_properties:
+            raise ValueError("disable_additional_properties is only supported for the guidance backend.")
+        if self.reasoning_parser or self.reasoning_parser_plugin or self.enable_in_reasoning:
+            raise ValueError("reasoning parsers are not supported by this server (reasoning_parser, "
+                             "reasoning_parser_plugin and enable_in_reasoning must stay unset)")
+
+
+def parse_structured_outputs_config(text: str) -> StructuredOutputsConfig:
+    """`--structured-outputs-config`: a JSON object of StructuredOutputsConfig fields, as vLLM takes it."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"Invalid JSON for --structured-outputs-config: {text} ({e})") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"--structured-outputs-config takes a JSON object, got {text}")
+    names = [f.name for f in dataclasses.fields(StructuredOutputsConfig)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"Unknown --structured-outputs-config field(s) {', '.join(unknown)}; the "
+                                         f"fields are {', '.join(names)}")
+    defaults = StructuredOutputsConfig()
+    for key, value in data.items():
+        kind = type(getattr(defaults, key))
+        if type(value) is not kind:
+            raise argparse.ArgumentTypeError(f"--structured-outputs-config field {key} takes a {kind.__name__}, "
+                                             f"got {value!r}")
+    try:
+        return StructuredOutputsConfig(**data)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"Invalid --structured-outputs-config: {e}") from None
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -322,3 +373,7 @@ class WorkerConfig:
              '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv@$(POD_IP):8000@<model>"}\' (fields: '
              'enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, '
              'topic; default off)'))
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig, metadata=flag(
+        "--structured-outputs-config", type=parse_structured_outputs_config, metavar="JSON",
+        help='vLLM\'s structured outputs settings as a JSON object, e.g. '
+             '\'{"backend": "xgrammar", "disable_any_whitespace": true}\' (compact JSON from every JSON grammar)'))

@@ -17,6 +17,8 @@ import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+import msgspec
+
 from worker.ipc.messages import StructuredOutput
 from worker.structured.empty_language import schema_problem, unproductive_rules
 
@@ -29,7 +31,9 @@ _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: 
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
+                 disable_any_whitespace: bool = False):
+        self._disable_any_whitespace = disable_any_whitespace   # --structured-outputs-config: every JSON grammar
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._compiler = self._pool.submit(_make_compiler, tokenizer_path, vocab_size, stop_token_ids)
         self._cache: OrderedDict[StructuredOutput, Future] = OrderedDict()   # spec -> compiled grammar
@@ -52,7 +56,8 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutput):
         compiler = self._compiler.result()
         try:
-            grammar = _grammar(spec)
+            grammar = _grammar(msgspec.structs.replace(spec, any_whitespace=False)
+                               if self._disable_any_whitespace else spec)
             unproductive = unproductive_rules(str(grammar))
             if "root" in unproductive:        # another such rule is a branch no output can finish
                 raise ValueError(f"Invalid {_NAMES[spec.kind]}: no output satisfies it: "

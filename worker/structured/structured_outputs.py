@@ -45,12 +45,13 @@ class _Matcher:
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], device: torch.device):
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], device: torch.device,
+                 disable_any_whitespace: bool = False):
         self.device = device
         self.vocab_size = vocab_size
         # made now, on the compiler's own thread (xgrammar's imports, the tokenizer's vocabulary): when the first
         # constrained request made it, that work held every other request up for seconds
-        self._compiler = GrammarCompiler(tokenizer_path, vocab_size, list(eos_token_ids))
+        self._compiler = GrammarCompiler(tokenizer_path, vocab_size, list(eos_token_ids), disable_any_whitespace)
         self._compiling: dict[str, tuple[Request, Future]] = {}  # request id -> (request, compiled grammar)
         self._matchers: dict[str, _Matcher] = {}                 # request id -> its matcher, while it runs
 
