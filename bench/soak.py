@@ -7,8 +7,9 @@ concurrent clients for `--minutes`. Each client loops over a random mix of: stre
 completions on the base model or an adapter (a share of them cut off after a few chunks), whole
 completions, loads and unloads of extra copies of a demo adapter, bad requests (malformed bodies,
 wrong content types, unknown models, out-of-range fields), and hostile ones (HOSTILE: deep JSON inside
-string fields, long token-id lists, a large fan-out, specs no output satisfies, bad adapter names; left out
-of the warm-up; each client sends them in turn). Beside them a probe sends one plain request every
+string fields, long token-id lists, a large fan-out, specs no output satisfies, bad adapter names; each client
+sends them in turn, in the warm-up too: the first requests with 100,000 allowed token ids or 2,000 bad words raise
+the gateway's RSS by a few MB once, the heap those large bodies need, flat after). Beside them a probe sends one plain request every
 `--probe-every-s`. The soak alternates, every `--phase-seconds`, between sending the hostile requests and sending
 their twins in their place (TWINS: the same route and work without what makes them hostile: the request without its
 long list, a satisfiable grammar, a plain completion where the hostile one is refused), so the slow-down a hostile
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-loras", type=int, default=2)
     parser.add_argument("--port", type=int, default=8199)
-    parser.add_argument("--rss-tolerance", type=float, default=0.10)
+    parser.add_argument("--rss-tolerance", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe-every-s", type=float, default=1.0, help="how often the plain request is timed")
     parser.add_argument("--max-slowdown", type=float, default=2.0,
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
             adapters = list(assets["adapters"])
             hostile = hostile_requests(extra["extra-0"]) if args.hostile_weight > 0 else {}
             warm, baseline, _ = asyncio.run(traffic(url, 60 * args.warmup_minutes, args.clients, adapters, extra,
-                                                    args.seed, {}, args.probe_every_s))
+                                                    args.seed, hostile, args.probe_every_s, args.hostile_weight))
             rss_warm, samples = rss_mb(server), []
             sampler = threading.Thread(target=sample_rss, args=(server, samples, 60 * args.minutes), daemon=True)
             start = time.monotonic()
