@@ -133,7 +133,8 @@ SERVE_FLAGS = {
     "--fully-sharded-loras", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--max-logprobs",
     "--block-size", "--gpu-memory-utilization", "--num-gpu-blocks-override", "--enable-prefix-caching", "--no-enable-prefix-caching",
     "--enable-prompt-tokens-details", "--enable-auto-tool-choice", "--tool-call-parser", "--device",
-    "--tensor-parallel-size", "-tp", "--dtype", "--load-format", "--enforce-eager", "--async-scheduling",
+    "--tensor-parallel-size", "-tp", "--dtype", "--load-format", "--quantization", "-q", "--kv-cache-dtype",
+    "--structured-outputs-config", "--enforce-eager", "--async-scheduling",
     "--no-async-scheduling", "--late-launch", "--no-late-launch", "--kernel-config", "--kv-events-config", "--seed",
     "--host", "--port",
     "--api-key", "--max-request-body-bytes", "--shutdown-timeout", "--uvicorn-log-level", "-h", "--help"}
