@@ -26,8 +26,8 @@ REGEX = r"(cat|dog)-[0-9]{2,3}"
 CHOICES = ["yes", "no", "maybe so"]
 GRAMMAR = 'root ::= "(" num (" + " num)? ")"\nnum ::= [1-9] [0-9]?'
 GRAMMAR_MATCH = re.compile(r"\([1-9][0-9]?( \+ [1-9][0-9]?)?\)")
-# A random model fills an open-ended JSON object for ever; nudged towards closing quotes and braces it ends.
-CLOSERS = {4: 4.0, 95: 4.0, 693: 4.0}     # '"', '}', '"}' in the demo tokenizer
+# A small model can fill an open-ended JSON object for ever; nudged towards closing quotes and braces it ends.
+CLOSERS = {4: 4.0, 95: 4.0}     # '"' and '}': bytes, at the same ids in every byte-level BPE the demo trains
 
 
 def check(kind: str, spec: str, text: str) -> None:

@@ -91,7 +91,7 @@ async def leave_whole_request(server, path: str, body: dict, num_chunks: int) ->
     (leave_stream_after_chunks, "/v1/completions", {"prompt": "The weather"}),
     (leave_stream_after_chunks, "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 1.0}),
-    (leave_whole_request, "/v1/completions", {"prompt": "The weather", "model": "demo-r8-all"}),
+    (leave_whole_request, "/v1/completions", {"prompt": "The weather", "model": "chat"}),
 ], ids=["completion-stream", "chat-stream-n2", "completion-whole"])
 async def test_client_disconnect_aborts_the_request(server, leave, path, body):
     body = {"model": SERVED_MODEL_NAME, "max_tokens": LONG, "ignore_eos": True, **body}
