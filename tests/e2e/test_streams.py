@@ -18,8 +18,9 @@ ABORT_SECONDS = 30.0           # a generous wait for the abort to reach the work
 
 
 def stream_requests() -> list[dict]:
-    """32 distinct (prompt, model) pairs, greedy: i % 8 and i % 5 never repeat together below 40."""
-    return [{"model": MODELS[i % len(MODELS)], "prompt": PROMPTS[i % len(PROMPTS)], "temperature": 0.0,
+    """32 distinct (prompt, model) pairs (i % 8 and i % 5 never repeat together below 40), each sampled with its own
+    seed: the same tokens whatever the batch, and distinct even where a small model's greedy answers agree."""
+    return [{"model": MODELS[i % len(MODELS)], "prompt": PROMPTS[i % len(PROMPTS)], "temperature": 1.0, "seed": i,
              "max_tokens": 10, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
             for i in range(NUM_STREAMS)]
 
@@ -39,7 +40,8 @@ def reference_streams(reference, requests: list[dict]) -> list[tuple[str, list[i
     alone = []
     for request in requests:
         adapter = None if request["model"] == SERVED_MODEL_NAME else request["model"]
-        ids = reference.tokens(reference.encode(request["prompt"]), adapter, max_tokens=10, ignore_eos=True)
+        ids = reference.tokens(reference.encode(request["prompt"]), adapter, max_tokens=10, ignore_eos=True,
+                               temperature=1.0, seed=request["seed"])
         alone.append((reference.decode(ids), ids))
     return alone
 

@@ -35,9 +35,9 @@ class SourceFile:
 
 @dataclass(frozen=True)
 class Corpus:
-    """The texts one build trains on."""
+    """The texts one build trains on: documents, one per source file."""
     base: list[str]                 # whole source files, for the base model
-    slices: dict[str, list[str]]    # adapter slice name -> its documents
+    slices: dict[str, list[str]]    # adapter slice name -> what it holds of each file
 
 
 def stdlib_root() -> Path:
@@ -56,9 +56,9 @@ def read_corpus(max_base_bytes: int, max_slice_bytes: int, root: Path | None = N
         if slices["docstrings"].full and slices["chat"].full and (slices["doctests"].full or ">>>" not in source.text):
             continue
         docstrings = list(_docstrings(source.text))
-        slices["docstrings"].add(_docstring_paragraphs(docstrings))
-        slices["doctests"].add(_doctests(docstrings))
-        slices["chat"].add(_conversations(source.module, docstrings))
+        for name, documents in (("docstrings", _docstring_paragraphs(docstrings)), ("doctests", _doctests(docstrings)),
+                                ("chat", _conversations(source.module, docstrings))):
+            slices[name].add(["".join(documents)] if documents else [])
     return Corpus(base.documents, {name: s.documents for name, s in slices.items()})
 
 
@@ -137,7 +137,7 @@ def _doctests(docstrings: list[tuple[str, str]]) -> list[str]:
             continue
         for block in textwrap.dedent(docstring).split("\n\n"):
             block = textwrap.dedent(block).strip("\n")
-            if block.startswith(">>>"):
+            if block.startswith(">>>") and "\\" not in block:   # escaped bytes teach runs of backslashes
                 examples.append(block + "\n\n")
     return examples
 

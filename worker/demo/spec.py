@@ -30,9 +30,9 @@ class DemoSize:
     adapter_lr: float
 
 
-FULL = DemoSize("full", vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
-                num_kv_heads=2, base_bytes=400_000, slice_bytes=60_000, seq_len=128, batch_size=16,
-                base_steps=200, base_lr=6e-3, adapter_steps=25, adapter_lr=5e-3)
+FULL = DemoSize("full", vocab_size=2048, hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4,
+                num_kv_heads=2, base_bytes=300_000, slice_bytes=60_000, seq_len=128, batch_size=16,
+                base_steps=800, base_lr=6e-3, adapter_steps=60, adapter_lr=5e-3)
 FAST = DemoSize("fast", vocab_size=1536, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
                 num_kv_heads=2, base_bytes=200_000, slice_bytes=20_000, seq_len=64, batch_size=8,
                 base_steps=150, base_lr=5e-3, adapter_steps=30, adapter_lr=1e-2)

@@ -62,32 +62,41 @@ def test_base_holds_the_ascii_modules_in_the_order_of_their_paths_hashes(stdlib)
 
 
 def test_slices_hold_prose_examples_one_package_and_conversations(stdlib):
+    """Each slice holds one document per file: its docstrings' paragraphs (the module's last, each wrapped at 79
+    columns), doctests, or conversations."""
     slices = read_corpus(UNLIMITED, UNLIMITED, stdlib).slices
-    assert sorted(slices["docstrings"]) == sorted([
-        "Shapes and their areas, for the examples of this module and nothing else.\n\n",
-        "Return the area of a rectangle of the given width and height.\n\n",
-        "Both sides are measured in the same unit, and the result is in that unit\nsquared.\n\n",   # 79 columns
-        "Return x unchanged, a helper that callers outside this module never use.\n\n",
-        "An event loop for the examples of this package.\n\n",
-        "Wait for the next turn of the loop, then return the value it was given.\n\n",
-    ])
+    by_file = {
+        "shapes.py": "Return the area of a rectangle of the given width and height.\n\n"
+                     "Both sides are measured in the same unit, and the result is in that unit\nsquared.\n\n"
+                     "Return x unchanged, a helper that callers outside this module never use.\n\n"
+                     "Shapes and their areas, for the examples of this module and nothing else.\n\n",
+        "asyncio/__init__.py": "Wait for the next turn of the loop, then return the value it was given.\n\n"
+                               "An event loop for the examples of this package.\n\n",
+    }
+    assert slices["docstrings"] == [by_file[p] for p in path_order(*by_file)]
     assert slices["doctests"] == [">>> area(2, 3)\n6\n\n"]
     assert slices["asyncio"] == [LOOP]
-    def question(name: str) -> str:   # one of the questions, picked by the name's hash
-        return QUESTIONS[hashlib.sha256(name.encode()).digest()[0] % len(QUESTIONS)].format(name=name)
 
-    assert sorted(slices["chat"]) == sorted(
-        f"<|im_start|>user\n{question(name)}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
-        for name, answer in [
-            ("shapes.area", "Return the area of a rectangle of the given width and height."),
-            ("asyncio.sleep_then", "Wait for the next turn of the loop, then return the value it was given."),
-        ])
+    def conversation(name: str, answer: str) -> str:   # the question is one of QUESTIONS, picked by the name's hash
+        question = QUESTIONS[hashlib.sha256(name.encode()).digest()[0] % len(QUESTIONS)].format(name=name)
+        return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
+
+    by_file = {
+        "shapes.py": conversation("shapes.area", "Return the area of a rectangle of the given width and height."),
+        "asyncio/__init__.py": conversation(
+            "asyncio.sleep_then", "Wait for the next turn of the loop, then return the value it was given."),
+    }
+    assert slices["chat"] == [by_file[p] for p in path_order(*by_file)]
+
+
+def test_doctests_with_escapes_are_left_out(tmp_path):
+    (tmp_path / "raw.py").write_text('def f():\n    r"""Bytes.\n\n    >>> f()\n    b\'\\x00\'\n    """\n')
+    assert read_corpus(UNLIMITED, UNLIMITED, tmp_path).slices["doctests"] == []
 
 
 def test_budgets_cut_the_last_document_at_a_line_end(stdlib):
     corpus = read_corpus(UNLIMITED, 60, stdlib)
     assert corpus.slices["asyncio"] == ['"""An event loop for the examples of this package."""\n\n\n']
-    assert corpus.slices["doctests"] == [">>> area(2, 3)\n6\n\n"]
     assert read_corpus(UNLIMITED, 10, stdlib).slices["asyncio"] == []   # not even its first line fits
 
 
