@@ -12,6 +12,7 @@ round differently on another thread count or CPU). Nothing here touches the netw
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from worker.demo.spec import ADAPTERS, BASE_SEED, DemoAdapter, DemoSize
 from worker.demo.tokenizer import END_OF_TEXT, IM_END, MODEL_MAX_LENGTH, save_tokenizer, train_tokenizer
 from worker.demo.training import Progress, token_stream, train
 
+logger = logging.getLogger(__name__)
 
 def build_into(staging: Path, final_root: Path, size: DemoSize) -> None:
     """Write a build of `size` into `staging`; its adapters name `final_root`/model as their base."""
@@ -58,8 +60,9 @@ def _train_base(tokenizer, stream: torch.Tensor, size: DemoSize, progress: Progr
     torch.manual_seed(BASE_SEED)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
-    train(model, stream, steps=size.base_steps, batch_size=size.batch_size, seq_len=size.seq_len,
-          lr=size.base_lr, seed=BASE_SEED, progress=progress, stage="base")
+    loss = train(model, stream, steps=size.base_steps, batch_size=size.batch_size, seq_len=size.seq_len,
+                 lr=size.base_lr, seed=BASE_SEED, progress=progress, stage="base")
+    logger.debug("trained the base model on %d tokens: loss %.2f", len(stream), loss)
     return model
 
 
@@ -71,6 +74,7 @@ def _train_adapter(model, spec: DemoAdapter, stream: torch.Tensor, size: DemoSiz
                         use_rslora=spec.use_rslora, task_type="CAUSAL_LM")
     torch.manual_seed(spec.seed)   # PEFT draws lora_A from the global generator
     adapted = get_peft_model(model, config)
-    train(adapted, stream, steps=size.adapter_steps, batch_size=size.batch_size, seq_len=size.seq_len,
-          lr=size.adapter_lr, seed=spec.seed, progress=progress, stage=spec.name)
+    loss = train(adapted, stream, steps=size.adapter_steps, batch_size=size.batch_size, seq_len=size.seq_len,
+                 lr=size.adapter_lr, seed=spec.seed, progress=progress, stage=spec.name)
+    logger.debug("trained adapter %s on %d tokens: loss %.2f", spec.name, len(stream), loss)
     return adapted

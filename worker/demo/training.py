@@ -45,13 +45,13 @@ def train(model, stream: torch.Tensor, *, steps: int, batch_size: int, seq_len: 
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, warmup, steps))
-    windows = min(seq_len, len(stream) - 1)
+    window = min(seq_len, len(stream) - 1)
     model.train()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        starts = torch.randint(0, len(stream) - windows, (batch_size,), generator=generator)
-        batch = torch.stack([stream[s:s + windows + 1] for s in starts.tolist()])  # batch: [batch, seq_len + 1]
-        logits = model(input_ids=batch[:, :-1]).logits  # logits: [batch, seq_len, vocab]
+        starts = torch.randint(0, len(stream) - window, (batch_size,), generator=generator)
+        batch = torch.stack([stream[s:s + window + 1] for s in starts.tolist()])  # batch: [batch, window + 1]
+        logits = model(input_ids=batch[:, :-1]).logits  # logits: [batch, window, vocab]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
