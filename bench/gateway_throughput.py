@@ -74,20 +74,16 @@ def serve(model_dir: str, port: int) -> None:
 
 
 def write_tokenizer(model_dir: Path) -> None:
-    """A byte-level BPE trained on the demo corpus, as worker.demo builds it, without torch."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE trained on the fast demo's corpus, as worker.demo builds it, without torch."""
+    from worker.demo import FAST
+    from worker.demo.corpus import read_corpus
+    from worker.demo.tokenizer import END_OF_TEXT, train_tokenizer
 
-    from worker.demo import CORPUS, VOCAB_SIZE
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    corpus = read_corpus(FAST.base_bytes, FAST.slice_bytes)
+    tokenizer = train_tokenizer(corpus.base, FAST.vocab_size)
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT}))
 
 
 def start_gateway(model_dir: Path, port: int, log_path: Path, step_ms: float) -> subprocess.Popen:

@@ -155,7 +155,7 @@ class GatewayServer(uvicorn.Server):
 def _use_demo_assets(args: argparse.Namespace) -> None:
     """Build the demo in a subprocess and point `args` at it: model, name, adapters."""
     command = [sys.executable, "-m", "worker.demo"] + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
-    logger.info("Preparing the demo model (built once, then reused)")
+    logger.info("Preparing the demo model (trained once, a few minutes on a CPU, then reused)")
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         sys.exit(f"Building the demo failed: `{' '.join(command)}` exited with {done.returncode}")

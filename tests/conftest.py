@@ -33,10 +33,15 @@ def hf_moe_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def demo():
-    """The embedded demo (worker/demo.py): its model, tokenizer and adapters, built once into the cache (the e2e
-    tests' conftest has its own, in a temporary directory)."""
-    from worker.demo import build_demo
-    return build_demo()
+    """The embedded demo's fast size (worker/demo/): its model, tokenizer and adapters, built once into the cache
+    in seconds (the e2e tests' conftest has its own, in a temporary directory)."""
+    from worker.demo import FAST, build_demo
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # the small model trains faster on one thread than on a shared, oversubscribed pair
+    try:
+        return build_demo(size=FAST)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,8 @@ import torch
 
 from bench import hf_baseline
 from bench.workloads import Workload
-from worker.demo import build_demo
 
-ADAPTERS = ("demo-r4-attn", "demo-r8-all", "demo-r16-mlp")
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return build_demo(tmp_path_factory.getbasetemp() / "bench-demo")
+ADAPTERS = ("doctests", "chat", "asyncio")
 
 
 def test_baseline_reports_serve_fields_per_batch(demo, tmp_path):
@@ -50,7 +44,7 @@ def test_mixed_adapter_batch_matches_each_request_alone(demo):
     model = hf_baseline.load_model(str(demo.model_dir), "auto", torch.float32, torch.device("cpu"))
     model = hf_baseline.attach_adapters(model, {name: str(demo.adapters[name]) for name in ADAPTERS[:2]})
     prompts = [[40, 41, 42, 43, 44, 45], [50, 51], [60, 61, 62, 63]]
-    adapters = ["demo-r4-attn", None, "demo-r8-all"]
+    adapters = ["doctests", None, "chat"]
     mixed, *_ = hf_baseline.generate_batch(model, prompts, adapters, 4, pad_id=0)
     for row, (prompt, adapter) in enumerate(zip(prompts, adapters)):
         alone, *_ = hf_baseline.generate_batch(model, [prompt], [adapter], 4, pad_id=0)

@@ -21,10 +21,10 @@ from bench.report import PERCENTILES, RequestRecord
 from bench.serve import Endpoint, Progress, build_parser, workload_from_args
 from bench.workloads import RequestSpec, Workload
 from tests.server_process import free_port, wait_until_healthy
-from worker.demo import SERVED_MODEL_NAME, build_demo
+from worker.demo import SERVED_MODEL_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVED_ADAPTERS = ("demo-r4-attn", "demo-r8-all")
+SERVED_ADAPTERS = ("doctests", "chat")
 SUMMARY_KEYS = {"num_requests", "completed", "errors", "duration_s", "total_input_tokens", "total_output_tokens",
                 "request_throughput", "output_throughput", "total_token_throughput", "concurrency"} | {
     f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
@@ -171,8 +171,7 @@ def test_flags_alone_build_a_workload():
 # whole runs against a live demo server on CPU
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    demo = build_demo(tmp_path_factory.getbasetemp() / "bench-demo")
+def server(demo, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("bench-server") / "server.log"
     command = [sys.executable, "-m", "gateway", "serve", "--model", str(demo.model_dir), "--served-model-name",

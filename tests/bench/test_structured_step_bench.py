@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import structured_step
-from worker.demo import build_demo
+from worker.demo import FAST, build_demo
 
 
 def test_grammar_tokenizer_has_the_vocabulary_size_and_its_eos(tmp_path):
@@ -32,7 +32,7 @@ def follows_schema(tokenizer_dir, token_ids: list[int]) -> bool:
 
 
 def test_time_steps_runs_a_quarter_constrained_batch_on_the_cpu(tmp_path, caplog):
-    model = build_demo().model_dir
+    model = build_demo(size=FAST).model_dir
     tokenizer = structured_step.make_grammar_tokenizer(1536, tmp_path, eos_token_id=2)
     engine = structured_step.build_engine(str(model), str(tokenizer), 8, device="cpu", dtype="float32",
                                           kv_bytes=64 << 20)

@@ -1,7 +1,7 @@
 """One real server for the whole e2e session: gateway + worker processes on the embedded demo model.
 
-The demo is built once into a temporary directory. The server is started with vLLM's flags, all four
-demo adapters and only two LoRA slots (so adapters must take turns), and an API key that every
+The model is tests/conftest.py's `demo`, the demo's fast size. The server is started with vLLM's flags,
+all four demo adapters and only two LoRA slots (so adapters must take turns), and an API key that every
 client passes. `reference` runs the same model and adapters in this process with the offline
 Engine, the independent answer the server's greedy tokens must match.
 """
@@ -23,11 +23,11 @@ import pytest
 import tokenizers
 
 from tests.server_process import free_port, wait_until_healthy
-from worker.demo import ADAPTERS, SERVED_MODEL_NAME, DemoAssets, build_demo
+from worker.demo import ADAPTERS, SERVED_MODEL_NAME, DemoAssets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "e2e-secret"
-PINNED_ADAPTER = "demo-r8-rslora"        # given in vLLM's JSON form of --lora-modules, pinned
+PINNED_ADAPTER = "docstrings"        # given in vLLM's JSON form of --lora-modules, pinned
 MAX_LORAS = 2
 STARTUP_SECONDS = 120
 # Pooled connections expire on the client well before uvicorn's 5 s keep-alive timeout closes them
@@ -130,11 +130,6 @@ def stop_and_check_cleanup(process: subprocess.Popen, log_path: Path) -> None:
     assert not alive, f"processes left after the server stopped: {[p.pid for p in alive]}"
     assert shm_segments(process.pid) == [], "shared memory left after the server stopped"
     assert code == 0, f"the server exited with {code}:\n{log_path.read_text()}"
-
-
-@pytest.fixture(scope="session")
-def demo(tmp_path_factory) -> DemoAssets:
-    return build_demo(tmp_path_factory.mktemp("e2e") / "demo")
 
 
 @pytest.fixture(scope="session")

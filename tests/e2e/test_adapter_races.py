@@ -82,7 +82,7 @@ async def start_streams(http: httpx.AsyncClient, model: str, leave: asyncio.Even
 
 
 async def test_load_inplace_keeps_requests_in_flight_on_the_old_version_and_new_ones_on_the_new(server, reference):
-    name, old, new = "race-inplace", "demo-r4-attn", "demo-r8-all"
+    name, old, new = "race-inplace", "doctests", "chat"
     short = {version: [alone(reference, p, version, WHOLE_TOKENS) for p in PROMPTS] for version in (old, new)}
     changed = asyncio.Event()
     async with server.http() as http:
@@ -111,7 +111,7 @@ async def test_load_inplace_keeps_requests_in_flight_on_the_old_version_and_new_
 
 
 async def test_unload_racing_requests_finishes_started_streams_and_answers_the_rest_404(server, reference):
-    name, source = "race-unload", "demo-r16-mlp"
+    name, source = "race-unload", "asyncio"
     short = [alone(reference, p, source, WHOLE_TOKENS) for p in PROMPTS]
     changed = asyncio.Event()
     not_found = {"message": f"The model `{name}` does not exist.", "type": "NotFoundError", "param": "model",
@@ -156,7 +156,7 @@ def lora_dir_server(demo, tmp_path_factory):
     from tests.e2e.test_faults import start_server
     tmp = tmp_path_factory.mktemp("lora-dir-server")
     lora_dir = tmp / "adapters"
-    shutil.copytree(demo.adapters["demo-r4-attn"], lora_dir / AUTO)
+    shutil.copytree(demo.adapters["doctests"], lora_dir / AUTO)
     (lora_dir / BROKEN).mkdir()
     (lora_dir / BROKEN / "adapter_config.json").write_text("{not json")
     server = start_server(demo, tmp, "--lora-dir", str(lora_dir), "--allow-runtime-lora-updating")

@@ -7,7 +7,7 @@ import pytest
 from worker.demo import ADAPTERS, SERVED_MODEL_NAME
 
 BASE = SERVED_MODEL_NAME
-RUNTIME = "runtime-rslora"           # a second name for demo-r8-rslora's directory, loaded at run time
+RUNTIME = "runtime-rslora"           # a second name for the docstrings adapter's directory, loaded at run time
 GREEDY = {"prompt": "In the garden", "temperature": 0.0, "max_tokens": 8}
 
 
@@ -23,7 +23,7 @@ def test_model_list_has_the_base_then_the_adapters_with_their_lineage(server):
             ("vllm", str(server.demo.adapters[spec.name]), BASE)
 
 
-@pytest.mark.parametrize("model", [BASE, "demo-r16-mlp"])
+@pytest.mark.parametrize("model", [BASE, "asyncio"])
 def test_model_card_is_retrievable_by_id(server, model):
     listed = {card.id: card.model_dump() for card in server.openai.models.list().data}[model]
     card = server.openai.models.retrieve(model).model_dump()
@@ -39,7 +39,7 @@ def test_unknown_model_card_is_not_found(server):
 
 
 async def test_runtime_adapter_load_serves_it_and_unload_forgets_it(server):
-    path = str(server.demo.adapters["demo-r8-rslora"])
+    path = str(server.demo.adapters["docstrings"])
     async with server.http() as http:
         loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": RUNTIME, "lora_path": path})
         assert (loaded.status_code, loaded.text) == (200, f"Success: LoRA adapter '{RUNTIME}' added successfully.")
@@ -49,7 +49,7 @@ async def test_runtime_adapter_load_serves_it_and_unload_forgets_it(server):
         card = (await http.get(f"/v1/models/{RUNTIME}")).json()
         assert (card["root"], card["parent"]) == (path, BASE)
         runtime = server.openai.completions.create(model=RUNTIME, **GREEDY)
-        static = server.openai.completions.create(model="demo-r8-rslora", **GREEDY)
+        static = server.openai.completions.create(model="docstrings", **GREEDY)
         base = server.openai.completions.create(model=BASE, **GREEDY)
         assert runtime.choices[0].text == static.choices[0].text != base.choices[0].text
         assert runtime.model == RUNTIME

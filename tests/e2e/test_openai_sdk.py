@@ -43,7 +43,7 @@ def test_each_adapter_changes_greedy_output_and_matches_offline_engine(server, r
     assert choice.text == reference.decode(expected)
 
 
-@pytest.mark.parametrize("model", [BASE, "demo-r4-attn", "demo-r16-mlp"])
+@pytest.mark.parametrize("model", [BASE, "doctests", "asyncio"])
 def test_chat_greedy_answer_matches_offline_engine(server, reference, model):
     prompt_ids = reference.chat_prompt(MESSAGES)
     expected = reference.tokens(prompt_ids, None if model == BASE else model, max_tokens=8)
@@ -54,7 +54,7 @@ def test_chat_greedy_answer_matches_offline_engine(server, reference, model):
     assert response.choices[0].message.content == reference.decode(expected)
 
 
-@pytest.mark.parametrize("model", [BASE, "demo-r8-all", "demo-r8-rslora"])
+@pytest.mark.parametrize("model", [BASE, "chat", "docstrings"])
 async def test_streamed_completion_text_equals_whole_text(server, model):
     request = {"model": model, "prompt": PROMPT, **GREEDY, "max_tokens": 12}
     async with server.async_openai() as client:
@@ -65,7 +65,7 @@ async def test_streamed_completion_text_equals_whole_text(server, model):
     assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("cmpl-")
 
 
-@pytest.mark.parametrize("model", [BASE, "demo-r4-attn", "demo-r16-mlp"])
+@pytest.mark.parametrize("model", [BASE, "doctests", "asyncio"])
 async def test_streamed_chat_text_equals_whole_text_and_role_comes_first_only(server, model):
     request = {"model": model, "messages": MESSAGES, **GREEDY, "max_tokens": 12}
     async with server.async_openai() as client:
@@ -78,9 +78,9 @@ async def test_streamed_chat_text_equals_whole_text_and_role_comes_first_only(se
 
 def test_base_colon_adapter_name_selects_the_adapter_and_is_echoed(server):
     client = server.openai
-    plain = client.completions.create(model="demo-r4-attn", prompt=PROMPT, **GREEDY)
-    prefixed = client.completions.create(model=f"{BASE}:demo-r4-attn", prompt=PROMPT, **GREEDY)
-    assert (plain.model, prefixed.model) == ("demo-r4-attn", f"{BASE}:demo-r4-attn")
+    plain = client.completions.create(model="doctests", prompt=PROMPT, **GREEDY)
+    prefixed = client.completions.create(model=f"{BASE}:doctests", prompt=PROMPT, **GREEDY)
+    assert (plain.model, prefixed.model) == ("doctests", f"{BASE}:doctests")
     assert prefixed.choices[0].text == plain.choices[0].text
 
 
@@ -94,7 +94,7 @@ def test_completion_usage_counts_prompt_and_generated_tokens(server, reference):
 
 
 async def test_streamed_chat_usage_chunk_equals_whole_usage(server, reference):
-    request = {"model": "demo-r8-all", "messages": MESSAGES, **GREEDY,
+    request = {"model": "chat", "messages": MESSAGES, **GREEDY,
                "extra_body": {"ignore_eos": True}}
     whole = server.openai.chat.completions.create(**request)
     _, chunks = await streamed_chat(server, **request, stream_options={"include_usage": True})
@@ -105,9 +105,9 @@ async def test_streamed_chat_usage_chunk_equals_whole_usage(server, reference):
 
 def test_completion_logprobs_match_offline_engine(server, reference):
     prompt_ids = reference.encode(PROMPT)
-    outputs = reference.generate(prompt_ids, "demo-r8-all", max_tokens=6, logprobs=3)
+    outputs = reference.generate(prompt_ids, "chat", max_tokens=6, logprobs=3)
     entries = [lp for o in outputs for lp in o.new_logprobs]
-    response = server.openai.completions.create(model="demo-r8-all", prompt=PROMPT, temperature=0.0,
+    response = server.openai.completions.create(model="chat", prompt=PROMPT, temperature=0.0,
                                                   max_tokens=6, logprobs=3)
     logprobs = response.choices[0].logprobs
     tokens = [reference.tokenizer.decode([e.token_id], skip_special_tokens=False) for e in entries]
@@ -121,7 +121,7 @@ def test_completion_logprobs_match_offline_engine(server, reference):
 
 
 def test_chat_logprobs_have_top_alternatives_best_first(server, reference):
-    response = server.openai.chat.completions.create(model="demo-r16-mlp", messages=MESSAGES, **GREEDY,
+    response = server.openai.chat.completions.create(model="asyncio", messages=MESSAGES, **GREEDY,
                                                        logprobs=True, top_logprobs=2)
     choice = response.choices[0]
     content = choice.logprobs.content
@@ -152,7 +152,7 @@ def test_echo_prepends_the_prompt_and_scores_its_tokens(server, reference):
 
 def test_n_choices_are_distinct_samples_reproducible_with_a_seed(server):
     client = server.openai
-    request = {"model": "demo-r4-attn", "prompt": PROMPT, "n": 3, "temperature": 1.0, "max_tokens": 6, "seed": 7,
+    request = {"model": "doctests", "prompt": PROMPT, "n": 3, "temperature": 1.0, "max_tokens": 6, "seed": 7,
                "extra_body": {"ignore_eos": True}}
     first, again = client.completions.create(**request), client.completions.create(**request)
     texts = [c.text for c in first.choices]
@@ -165,7 +165,7 @@ def test_n_choices_are_distinct_samples_reproducible_with_a_seed(server):
 
 
 async def test_seeded_sample_is_the_same_streamed_and_whole(server):
-    request = {"model": "demo-r8-rslora", "messages": MESSAGES, "temperature": 0.8, "max_tokens": 8, "seed": 3}
+    request = {"model": "docstrings", "messages": MESSAGES, "temperature": 0.8, "max_tokens": 8, "seed": 3}
     whole = server.openai.chat.completions.create(**request)
     text, _ = await streamed_chat(server, **request)
     assert text == whole.choices[0].message.content

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-ADAPTER = "demo-r4-attn"
+ADAPTER = "doctests"
 BLOCK = 16                  # --block-size's default
 PROMPT = ("A prefix cache keeps the keys and values of whole blocks of a prompt, so that the next request "
           "which begins with the same words under the same adapter skips recomputing them entirely.")

@@ -205,27 +205,27 @@ def test_picker_sends_each_adapter_to_the_server_that_holds_it(two_servers):
         assert idle.max_active_models == MAX_LORAS and idle.waiting_models == set()
         assert abs(idle.lora_info_value - time.time()) < 60        # the value is a Unix time, as vLLM's
 
-    complete(a, "demo-r4-attn")
-    complete(b, "demo-r16-mlp")
-    wait_for_residents(a, {"demo-r4-attn"})
-    wait_for_residents(b, {"demo-r16-mlp"})
+    complete(a, "doctests")
+    complete(b, "asyncio")
+    wait_for_residents(a, {"doctests"})
+    wait_for_residents(b, {"asyncio"})
 
-    assert pick("demo-r4-attn", [a, b])[0] == a
-    assert pick("demo-r16-mlp", [a, b])[0] == b
+    assert pick("doctests", [a, b])[0] == a
+    assert pick("asyncio", [a, b])[0] == b
     endpoints = [extract(parse_families(httpx.get(f"{url}/metrics", timeout=10).text)) for url in (a, b)]
-    assert [lora_affinity_score("demo-r8-all", m) for m in endpoints] == [0.8, 0.8]   # room on both
+    assert [lora_affinity_score("chat", m) for m in endpoints] == [0.8, 0.8]   # room on both
 
 
 def test_a_server_with_every_slot_taken_loses_an_adapter_it_does_not_hold(two_servers):
     a, b = two_servers
-    complete(a, "demo-r4-attn")
-    complete(b, "demo-r16-mlp")
-    complete(a, "demo-r8-all")
-    wait_for_residents(a, {"demo-r4-attn", "demo-r8-all"})           # both of a's slots, requests finished
+    complete(a, "doctests")
+    complete(b, "asyncio")
+    complete(a, "chat")
+    wait_for_residents(a, {"doctests", "chat"})           # both of a's slots, requests finished
 
-    chosen, (on_a, on_b) = pick("demo-r8-rslora", [a, b])
-    assert (lora_affinity_score("demo-r8-rslora", on_a), lora_affinity_score("demo-r8-rslora", on_b)) == (0.0, 0.8)
+    chosen, (on_a, on_b) = pick("docstrings", [a, b])
+    assert (lora_affinity_score("docstrings", on_a), lora_affinity_score("docstrings", on_b)) == (0.0, 0.8)
     assert chosen == b
-    assert pick("demo-r8-all", [a, b])[0] == a
-    complete(chosen, "demo-r8-rslora")
-    wait_for_residents(b, {"demo-r16-mlp", "demo-r8-rslora"})
+    assert pick("chat", [a, b])[0] == a
+    complete(chosen, "docstrings")
+    wait_for_residents(b, {"asyncio", "docstrings"})

@@ -22,7 +22,7 @@ VLLM_SAMPLES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:
                   for part in ("bucket", "sum", "count"))]
 ADAPTER_SAMPLES = ["loraplex:lora_requests_total", "loraplex:lora_prompt_tokens_total",
                    "loraplex:lora_generation_tokens_total"]
-ADAPTER = "demo-r4-attn"
+ADAPTER = "doctests"
 NUM_TOKENS = 8
 
 

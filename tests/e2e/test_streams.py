@@ -24,6 +24,12 @@ def stream_requests() -> list[dict]:
             for i in range(NUM_STREAMS)]
 
 
+def seeded_stream_requests() -> list[dict]:
+    """stream_requests(), each sampled with its own seed: the same tokens whatever the batch, and distinct even
+    where a small model's greedy answers to two prompts agree."""
+    return [{**request, "temperature": 1.0, "seed": i} for i, request in enumerate(stream_requests())]
+
+
 async def stream_text(client, request: dict) -> tuple[str, list[int]]:
     text, ids = "", []
     async for chunk in await client.completions.create(stream=True, **request):
@@ -39,13 +45,14 @@ def reference_streams(reference, requests: list[dict]) -> list[tuple[str, list[i
     alone = []
     for request in requests:
         adapter = None if request["model"] == SERVED_MODEL_NAME else request["model"]
-        ids = reference.tokens(reference.encode(request["prompt"]), adapter, max_tokens=10, ignore_eos=True)
+        ids = reference.tokens(reference.encode(request["prompt"]), adapter, max_tokens=10, ignore_eos=True,
+                               temperature=request["temperature"], seed=request.get("seed"))
         alone.append((reference.decode(ids), ids))
     return alone
 
 
 async def test_concurrent_mixed_adapter_streams_never_cross(server, reference):
-    requests = stream_requests()
+    requests = seeded_stream_requests()
     alone = reference_streams(reference, requests)
     assert len({tuple(ids) for _, ids in alone}) == NUM_STREAMS      # a crossing cannot go unseen
     async with server.async_openai() as client:
@@ -91,7 +98,7 @@ async def leave_whole_request(server, path: str, body: dict, num_chunks: int) ->
     (leave_stream_after_chunks, "/v1/completions", {"prompt": "The weather"}),
     (leave_stream_after_chunks, "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "n": 2, "temperature": 1.0}),
-    (leave_whole_request, "/v1/completions", {"prompt": "The weather", "model": "demo-r8-all"}),
+    (leave_whole_request, "/v1/completions", {"prompt": "The weather", "model": "chat"}),
 ], ids=["completion-stream", "chat-stream-n2", "completion-whole"])
 async def test_client_disconnect_aborts_the_request(server, leave, path, body):
     body = {"model": SERVED_MODEL_NAME, "max_tokens": LONG, "ignore_eos": True, **body}

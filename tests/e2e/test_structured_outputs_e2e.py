@@ -7,20 +7,34 @@ import json
 
 import pytest
 
-from tests.structured_cases import CLOSERS, SCHEMAS, SPECS, check
+from tests.structured_cases import CLOSERS, SCHEMAS, SPECS, check, whitespace_ban
 from worker.demo import ADAPTERS, SERVED_MODEL_NAME
 
 MODELS = [SERVED_MODEL_NAME, *(spec.name for spec in ADAPTERS)]
 
 
-def constraint_fields(kind: str, spec: str, variant: int) -> dict:
-    """The request fields of a constraint, in each spelling vLLM accepts (chosen by `variant`)."""
+@pytest.fixture(scope="module")
+def no_whitespace(reference) -> dict[str, int]:
+    return whitespace_ban(reference.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def closing_json(no_whitespace) -> dict[str, float]:
+    """A logit_bias for tool calls: no whitespace, and JSON's closers nudged, so that a call's arguments end."""
+    return no_whitespace | {str(t): b for t, b in CLOSERS.items()}
+
+
+def constraint_fields(kind: str, spec: str, variant: int, no_whitespace: dict[str, int]) -> dict:
+    """The request fields of a constraint, in each spelling vLLM accepts (chosen by `variant`); JSON without
+    whitespace tokens."""
     if kind == "json":
         schema = json.loads(spec)
         return [{"response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}},
-                {"structured_outputs": {"json": schema}}, {"guided_json": spec}][variant % 3]
+                {"structured_outputs": {"json": schema}}, {"guided_json": spec}][variant % 3] | {
+                    "logit_bias": no_whitespace}
     if kind == "json_object":
-        return {"response_format": {"type": "json_object"}, "logit_bias": {str(t): b for t, b in CLOSERS.items()}}
+        return {"response_format": {"type": "json_object"},
+                "logit_bias": no_whitespace | {str(t): b for t, b in CLOSERS.items()}}
     if kind == "choice":
         return [{"guided_choice": json.loads(spec)}, {"structured_outputs": {"choice": json.loads(spec)}}][variant % 2]
     return [{f"guided_{kind}": spec}, {"structured_outputs": {kind: spec}}][variant % 2]
@@ -50,12 +64,12 @@ async def generate(http, route: str, model: str, prompt: str, fields: dict, stre
     return text, finish
 
 
-async def test_constrained_outputs_follow_their_specs_beside_free_requests(server):
+async def test_constrained_outputs_follow_their_specs_beside_free_requests(server, no_whitespace):
     jobs = []
     for i, (kind, spec) in enumerate(SPECS):
         for j, (route, stream) in enumerate([("chat", False), ("chat", True), ("completion", False),
                                              ("completion", True)]):
-            fields = {**constraint_fields(kind, spec, i + j), "seed": 10 * i + j}
+            fields = {**constraint_fields(kind, spec, i + j, no_whitespace), "seed": 10 * i + j}
             jobs.append((kind, spec, route, MODELS[(i + j) % len(MODELS)], f"case {i} {j}", fields, stream))
     free = [(None, None, route, MODELS[k % len(MODELS)], f"free {k}", {"seed": k, "max_tokens": 40}, k % 2 == 0)
             for k, route in enumerate(["chat", "completion"] * 4)]
@@ -138,9 +152,11 @@ def calls_of(message_or_deltas, streamed: bool) -> list[tuple[str, dict]]:
     return [(name, json.loads(arguments)) for name, arguments in calls]
 
 
-async def chat_tool_calls(http, model: str, fields: dict, stream: bool, seed: int) -> list[tuple[str, dict]]:
+async def chat_tool_calls(http, model: str, fields: dict, stream: bool, seed: int,
+                          logit_bias: dict[str, float]) -> list[tuple[str, dict]]:
     body = {"model": model, "messages": [{"role": "user", "content": f"call {seed}"}], "tools": TOOLS,
-            "max_tokens": 300, "temperature": 1.0, "seed": seed, "stream": stream, **fields}
+            "max_tokens": 300, "temperature": 1.0, "seed": seed, "stream": stream, "logit_bias": logit_bias,
+            **fields}
     if not stream:
         response = await http.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
@@ -158,7 +174,7 @@ async def chat_tool_calls(http, model: str, fields: dict, stream: bool, seed: in
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_named_and_required_tool_choice_always_give_valid_calls(server, stream):
+async def test_named_and_required_tool_choice_always_give_valid_calls(server, stream, closing_json):
     import jsonschema
 
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -168,7 +184,7 @@ async def test_named_and_required_tool_choice_always_give_valid_calls(server, st
         named = {"tool_choice": {"type": "function", "function": {"name": ["get_weather", "get_time"][seed % 2]}}}
         jobs += [(named, model, seed), ({"tool_choice": "required", "parallel_tool_calls": seed % 2 == 0}, model, seed)]
     async with server.http() as http:
-        results = await asyncio.gather(*(chat_tool_calls(http, model, fields, stream, seed)
+        results = await asyncio.gather(*(chat_tool_calls(http, model, fields, stream, seed, closing_json)
                                          for fields, model, seed in jobs))
     for (fields, _, _), calls in zip(jobs, results):
         assert calls, fields
@@ -190,11 +206,11 @@ async def test_auto_tool_choice_needs_the_parser_flags(server):
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
-def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(server, tool_choice):
+def test_the_openai_sdk_reads_tool_calls_whole_and_streamed(server, tool_choice, closing_json):
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
     kwargs = dict(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
-                  tool_choice=tool_choice, max_tokens=200, seed=3)
+                  tool_choice=tool_choice, max_tokens=200, seed=3, logit_bias=closing_json)
     message = server.openai.chat.completions.create(**kwargs).choices[0].message
     call = message.tool_calls[0]
     assert call.type == "function" and call.id.startswith("chatcmpl-tool-")

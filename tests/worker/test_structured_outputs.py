@@ -1,4 +1,4 @@
-"""Constrained decoding and token bans in the engine, on the demo model (tiny random Llama, real tokenizer)."""
+"""Constrained decoding and token bans in the engine, on the demo model (its fast size, real tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -81,7 +81,7 @@ def test_any_whitespace_json_still_validates(engine, tokenizer):
     outputs = run(engine, {f"ws-{s}": (tokenizer.encode("ws").ids, constrained("json", spec, s, True), None)
                            for s in range(3)})
     for outs in outputs.values():
-        if outs[-1].finish_reason == "stop":        # any whitespace may run past max_tokens on a random model
+        if outs[-1].finish_reason == "stop":        # any whitespace may run past max_tokens on a small model
             check("json", spec, text_of(tokenizer, outs, eos))
 
 
@@ -91,7 +91,7 @@ def test_constrained_tokens_match_alone_and_in_a_batch(engine, tokenizer):
     alone = run(engine, {"a": (tokenizer.encode("x").ids, constrained("json", spec, 7), None)})["a"]
     mixed = run(engine, {"b": (tokenizer.encode("x").ids, constrained("json", spec, 7), None),
                          "c": (tokenizer.encode("y").ids, SamplingParams(max_tokens=20, seed=1), None),
-                         "d": (tokenizer.encode("z").ids, constrained("regex", REGEX, 3), "demo-r4-attn")})["b"]
+                         "d": (tokenizer.encode("z").ids, constrained("regex", REGEX, 3), "doctests")})["b"]
     assert [o.new_token_ids for o in alone] == [o.new_token_ids for o in mixed]
 
 
@@ -156,7 +156,7 @@ def test_logit_bias_bans_and_forces_tokens(engine, tokenizer):
     plain = [t for o in run(engine, {"p": (prompt, greedy, None)})["p"] for t in o.new_token_ids]
     banned = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={plain[0]: -100.0})
     forced = SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True, logit_bias={77: 100.0})
-    outputs = run(engine, {"ban": (prompt, banned, None), "force": (prompt, forced, "demo-r8-all")})
+    outputs = run(engine, {"ban": (prompt, banned, None), "force": (prompt, forced, "chat")})
     assert plain[0] not in [t for o in outputs["ban"] for t in o.new_token_ids]
     assert [t for o in outputs["force"] for t in o.new_token_ids] == [77] * 8
 
