@@ -19,11 +19,11 @@ import pytest
 from tests.e2e.conftest import REPO_ROOT, STARTUP_SECONDS, stop_and_check_cleanup
 from tests.kv_event_subscriber import RouterIndex, Subscriber
 from tests.server_process import free_port, wait_until_healthy
-from worker.demo import SERVED_MODEL_NAME
+from worker.demo import ADAPTERS as DEMO_ADAPTERS, SERVED_MODEL_NAME
 
 BLOCK = 16
 NUM_BLOCKS = 40
-ADAPTERS = ("demo-r4-attn", "demo-r8-all")
+ADAPTERS = tuple(spec.name for spec in DEMO_ADAPTERS[:2])
 SHARED = ("Routers send a request to the server that already holds the longest prefix of its prompt in its "
           "cache, which they learn from the events every server publishes about its blocks.")
 
