@@ -207,29 +207,41 @@ class KernelConfig:
                              f"got {self.fp8_gemv_row_limit} and {self.fp8_skinny_row_limit}")
 
 
-def parse_kernel_config(text: str) -> KernelConfig:
-    """`--kernel-config`: a JSON object of KernelConfig fields, the rest at their defaults, as vLLM takes
-    `--compilation-config`: which kernels the GPU path uses, for A/B runs of a live server."""
+def config_from_json(text: str, config_type: type, flag_name: str, non_empty: bool = False):
+    """A config dataclass from the JSON object a flag takes (vLLM's `--compilation-config` style): its fields, the
+    rest at their defaults. Bad JSON, another JSON value (or an empty object, with `non_empty`), an unknown field, a
+    value of another type than the field's, and what the dataclass itself refuses, all end in an
+    argparse.ArgumentTypeError that names the flag."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"Invalid JSON for --kernel-config: {text} ({e})") from None
-    names = [f.name for f in dataclasses.fields(KernelConfig)]
-    if not isinstance(data, dict) or not data:
-        raise argparse.ArgumentTypeError(f"--kernel-config takes a non-empty JSON object of fields, got {text}")
-    unknown = sorted(set(data) - set(names))
+        raise argparse.ArgumentTypeError(f"Invalid JSON for {flag_name}: {text} ({e})") from None
+    if not isinstance(data, dict) or (non_empty and not data):
+        raise argparse.ArgumentTypeError(f"{flag_name} takes a {'non-empty ' if non_empty else ''}JSON object of "
+                                         f"fields, got {text}")
+    fields = {f.name: f for f in dataclasses.fields(config_type)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise argparse.ArgumentTypeError(f"Unknown --kernel-config field(s) {', '.join(unknown)}; the fields are "
-                                         f"{', '.join(names)}")
-    defaults = KernelConfig()
+        raise argparse.ArgumentTypeError(f"Unknown {flag_name} field(s) {', '.join(unknown)}; the fields are "
+                                         f"{', '.join(fields)}")
     for key, value in data.items():
-        kind = type(getattr(defaults, key))
-        if type(value) is not kind:
-            raise argparse.ArgumentTypeError(f"--kernel-config field {key} takes a {kind.__name__}, got {value!r}")
+        kinds = _JSON_KINDS[fields[key].type]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise argparse.ArgumentTypeError(f"{flag_name} field {key} takes a {fields[key].type}, got {value!r}")
     try:
-        return KernelConfig(**data)
+        return config_type(**data)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"Invalid --kernel-config: {e}") from None
+        raise argparse.ArgumentTypeError(f"Invalid {flag_name}: {e}") from None
+
+
+# a config field's annotation -> the JSON values it takes (bool is an int in Python: told apart above)
+_JSON_KINDS = {"bool": (bool,), "int": (int,), "str": (str,), "str | None": (str, type(None))}
+
+
+def parse_kernel_config(text: str) -> KernelConfig:
+    """`--kernel-config`: a JSON object of KernelConfig fields, the rest at their defaults, as vLLM takes
+    `--compilation-config`: which kernels the GPU path uses, for A/B runs of a live server."""
+    return config_from_json(text, KernelConfig, "--kernel-config", non_empty=True)
 
 
 @dataclass(frozen=True)
@@ -259,26 +271,7 @@ class KVEventsConfig:
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
     """`--kv-events-config`: a JSON object of KVEventsConfig fields, the rest at their defaults."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"Invalid JSON for --kv-events-config: {text} ({e})") from None
-    if not isinstance(data, dict):
-        raise argparse.ArgumentTypeError(f"--kv-events-config takes a JSON object of fields, got {text}")
-    fields = {f.name: f for f in dataclasses.fields(KVEventsConfig)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"Unknown --kv-events-config field(s) {', '.join(unknown)}; the fields "
-                                         f"are {', '.join(fields)}")
-    for key, value in data.items():
-        kinds = {"bool": (bool,), "int": (int,), "str": (str,), "str | None": (str, type(None))}[fields[key].type]
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise argparse.ArgumentTypeError(f"--kv-events-config field {key} takes a {fields[key].type}, got "
-                                             f"{value!r}")
-    try:
-        return KVEventsConfig(**data)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"Invalid --kv-events-config: {e}") from None
+    return config_from_json(text, KVEventsConfig, "--kv-events-config")
 
 
 @dataclass(frozen=True)
@@ -309,27 +302,7 @@ class StructuredOutputsConfig:
 
 def parse_structured_outputs_config(text: str) -> StructuredOutputsConfig:
     """`--structured-outputs-config`: a JSON object of StructuredOutputsConfig fields, as vLLM takes it."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"Invalid JSON for --structured-outputs-config: {text} ({e})") from None
-    if not isinstance(data, dict):
-        raise argparse.ArgumentTypeError(f"--structured-outputs-config takes a JSON object, got {text}")
-    names = [f.name for f in dataclasses.fields(StructuredOutputsConfig)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise argparse.ArgumentTypeError(f"Unknown --structured-outputs-config field(s) {', '.join(unknown)}; the "
-                                         f"fields are {', '.join(names)}")
-    defaults = StructuredOutputsConfig()
-    for key, value in data.items():
-        kind = type(getattr(defaults, key))
-        if type(value) is not kind:
-            raise argparse.ArgumentTypeError(f"--structured-outputs-config field {key} takes a {kind.__name__}, "
-                                             f"got {value!r}")
-    try:
-        return StructuredOutputsConfig(**data)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"Invalid --structured-outputs-config: {e}") from None
+    return config_from_json(text, StructuredOutputsConfig, "--structured-outputs-config")
 
 
 @dataclass(frozen=True)
