@@ -81,8 +81,14 @@ class ServingContext:
             except APIError as e:
                 raise RuntimeError(f"Failed to load LoRA adapter '{module.name}' from {module.path}: "
                                    f"{e.message}") from None
-        logger.info("Serving %s (max_model_len %d) with adapters %s", ", ".join(self.config.served_names),
-                    self.max_model_len, [m.name for m in self.config.lora_modules])
+        if self.config.lora_modules:     # their host memory page-locked before serving: it holds up the steps
+            settled = await self.client.adapter_command("settle", "")
+            if not settled.ok:
+                raise RuntimeError(f"Preparing the LoRA adapters failed: {settled.message}")
+        names = [m.name for m in self.config.lora_modules]
+        logger.info("Serving %s (max_model_len %d) with %d adapters%s", ", ".join(self.config.served_names),
+                    self.max_model_len, len(names), f": {names}" if len(names) <= 16 else
+                    f" ({', '.join(names[:8])}, ..., {names[-1]})")
 
     async def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         """Prompt token ids, checked against the vocabulary; a 400 for an empty prompt, and for one

@@ -149,13 +149,16 @@ class Worker:
                                              num_prompt_tokens=len(request.prompt_token_ids))])
 
     def _adapter_command(self, engine: EngineInterface, command: AdapterCommand) -> AdapterCommandResult:
-        if command.op not in ("load", "unload", "list"):
+        if command.op not in ("load", "unload", "list", "settle"):
             return AdapterCommandResult(command.command_id, ok=False, status_code=400,
                                         message=f"Unknown adapter command {command.op!r}; "
-                                                "expected 'load', 'unload' or 'list'.")
+                                                "expected 'load', 'unload', 'list' or 'settle'.")
         try:
             if command.op == "list":
                 return AdapterCommandResult(command.command_id, ok=True, adapters=engine.adapter_states())
+            if command.op == "settle":
+                engine.settle_adapters()
+                return AdapterCommandResult(command.command_id, ok=True)
             if command.op == "load":
                 engine.add_adapter(command.name, command.path, load_inplace=command.load_inplace,
                                    pinned=command.pinned, warm=command.warm)

@@ -125,6 +125,12 @@ class Engine:
         if ref is not None:
             self._drop_cached_blocks(ref)
 
+    def settle_adapters(self) -> None:
+        start = time.monotonic()
+        count = self.adapters.settle()
+        if count:
+            logger.info("page-locked the host memory of %d adapters in %.1f s", count, time.monotonic() - start)
+
     def adapter_states(self) -> list[AdapterState]:
         return self.adapters.registry.states(Counter(r.adapter for r in self.scheduler.running),
                                              Counter(r.adapter for r in self.scheduler.waiting))

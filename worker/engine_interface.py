@@ -97,6 +97,10 @@ class EngineInterface(Protocol):
     def remove_adapter(self, name: str) -> None:
         """Unregister `name`; an error with a `status_code` if it is unknown."""
 
+    def settle_adapters(self) -> None:
+        """Wait until what the adapters registered so far need before serving is done (their host memory
+        page-locked); engines without adapter tiers have nothing to wait for."""
+
     @abstractmethod
     def adapter_states(self) -> list[AdapterState]:
         """Where each registered adapter stands: tier, slot, rank, load times, requests."""

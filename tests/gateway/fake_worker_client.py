@@ -57,6 +57,7 @@ class FakeWorkerClient:
         self.adapter_commands: list[tuple[str, str, str | None, bool, bool]] = []
         self.adapter_results: dict[str, AdapterCommandResult] = {}   # name -> answer; default ok
         self.warm_loads: list[str] = []          # names loaded with warm=True (the --lora-modules adapters)
+        self.settled_after: list[int] = []       # each "settle": how many adapter commands had come before it
         self.error: str | None = None       # set: every request ends at once with this error, as on worker death
         self.error_status: int | None = None   # the HTTP status the worker gives that error (None: none given)
         self.shut_down = False
@@ -72,6 +73,9 @@ class FakeWorkerClient:
 
     async def adapter_command(self, op: str, name: str, path: str | None = None, load_inplace: bool = False,
                               pinned: bool = False, warm: bool = False) -> AdapterCommandResult:
+        if op == "settle":           # not an adapter's command: when it came, after how many of those
+            self.settled_after.append(len(self.adapter_commands))
+            return AdapterCommandResult(0, ok=True)
         self.adapter_commands.append((op, name, path, load_inplace, pinned))
         self.warm_loads += [name] if warm else []
         return self.adapter_results.get(name, AdapterCommandResult(len(self.adapter_commands), ok=True))

@@ -43,6 +43,9 @@ class RegistryWorkerClient(FakeWorkerClient):
 
     async def adapter_command(self, op: str, name: str, path: str | None = None, load_inplace: bool = False,
                               pinned: bool = False, warm: bool = False) -> AdapterCommandResult:
+        if op == "settle":
+            self.settled_after.append(len(self.adapter_commands))
+            return AdapterCommandResult(0, ok=True)
         self.adapter_commands.append((op, name, path, load_inplace, pinned))
         return await self._send(op, name, path, load_inplace)
 

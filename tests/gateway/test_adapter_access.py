@@ -32,6 +32,7 @@ async def test_runtime_loading_is_off_by_default(lora_dir):
     assert error_of(auto) == (404, "The model `found` does not exist.", "model")
     assert models == [BASE, ADAPTER] and client.adapter_commands == [("load", ADAPTER, "/adapters/sql", False, False)]
     assert client.warm_loads == [ADAPTER]        # the --lora-modules adapter is read into the host cache at start
+    assert client.settled_after == [1]           # and its memory made ready before the server serves
 
 
 @pytest.mark.parametrize("value, expected", [(None, False), ("True", True), ("true", True), ("1", True),

@@ -74,7 +74,7 @@ def test_engine_defines_each_method_with_the_interface_parameters(engine, method
 
 
 def test_only_launch_delay_and_the_idle_work_have_defaults():
-    assert DEFAULTED == ["has_background_work", "idle_poll", "launch_delay"]
+    assert DEFAULTED == ["has_background_work", "idle_poll", "launch_delay", "settle_adapters"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.hf_fixtures import ADAPTERS, adapter_dir
+from worker.lora.adapter import inspect_adapter, read_adapter
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams
@@ -97,3 +98,22 @@ def test_a_copy_waits_for_the_steps_that_read_its_slot_and_runs_beside_the_other
     torch.cuda.synchronize()
     assert seen.item() == pool.layout.num_bytes           # the read saw the first adapter's bytes, all ones
     assert bool((pool.slots[0] == 2).all()) and bool((pool.slots[1] == 2).all())
+
+
+def test_entries_are_page_locked_at_their_own_size_and_land_in_their_slot_as_packed(hf_models):
+    """The host cache's entries (each adapter at its own rank and projections, in memory page-locked with
+    cudaHostRegister) written into a GPU slot by one copy and the device-side layout (lora/expansion.py) equal the
+    whole slot packed on the CPU, byte for byte; a slot that held a larger adapter keeps nothing of it."""
+    llama = hf_models["llama"]
+    engine = make_engine(llama, "cuda", "float32", overlap=True)
+    pool, packer = engine.runner.lora_pool, engine.adapters.packer
+    for spec in sorted(ADAPTERS, key=lambda a: -a.r):
+        path = str(adapter_dir(llama, spec.name))
+        found = inspect_adapter(spec.name, path, pool.layout.targets, pool.max_rank)
+        entry = packer(found)
+        assert entry.packed.is_pinned() and entry.packed.numel() == packer.entry_bytes(found) <= pool.layout.num_bytes
+        pool.start_load(0, entry.packed, entry.rank, spec.name, entry.layout)
+        pool.wait_for([0])
+        want = pool.layout.pack(read_adapter(spec.name, path, pool.layout.targets, pool.max_rank, torch.float32))
+        assert torch.equal(pool.slots[0].cpu(), want), spec.name
+    assert packer.buffers.registered_bytes > 0

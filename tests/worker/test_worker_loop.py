@@ -240,3 +240,14 @@ def test_an_idle_worker_files_background_work_until_it_ends_then_sleeps():
         assert gateway.engine.polls == 5 and gateway.thread.is_alive()
         send(gateway.to_worker, add("a"))      # and wakes for a request
         assert [o.request_id for o in next_message(gateway.from_worker, OutputBatch).outputs] == ["a"]
+
+
+def test_settle_is_answered_and_an_unknown_adapter_command_is_refused(waiting):
+    send(waiting.to_worker, AdapterCommand(1, "settle", ""))
+    settled = next_message(waiting.from_worker, AdapterCommandResult)
+    assert (settled.command_id, settled.ok) == (1, True)
+    send(waiting.to_worker, AdapterCommand(2, "reload", "x"))
+    refused = next_message(waiting.from_worker, AdapterCommandResult)
+    assert (refused.command_id, refused.ok, refused.status_code) == (2, False, 400)
+    assert refused.message == "Unknown adapter command 'reload'; expected 'load', 'unload', 'list' or 'settle'."
+

@@ -67,10 +67,11 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class AdapterCommand(msgspec.Struct, tag=True):
-    """load | unload an adapter by name, or list them all; the worker answers with
-    AdapterCommandResult(command_id), whose `adapters` answer "list"."""
+    """load | unload an adapter by name, list them all, or settle (wait until the adapters loaded so far are ready to
+    be served beside steps: their host memory page-locked); the worker answers with AdapterCommandResult(command_id),
+    whose `adapters` answer "list"."""
     command_id: int
-    op: str                      # "load" | "unload" | "list"
+    op: str                      # "load" | "unload" | "list" | "settle"
     name: str
     path: str | None = None
     load_inplace: bool = False

@@ -67,7 +67,7 @@ class AdapterLoads:
                 except Exception as e:    # a directory that changed since it was registered
                     failed.append(_failed(ref, str(e)))
                     continue
-            self.pool.start_load(slot, entry.packed, entry.rank, ref)
+            self.pool.start_load(slot, entry.packed, entry.rank, ref, entry.layout)
             if self.on_load is not None:
                 self.on_load(ref, self.reader.spec(ref), slot, entry.rank)
             self._copies_in_flight += 1
@@ -108,7 +108,7 @@ class AdapterLoads:
 
     def _read_now(self, ref: AdapterRef) -> HostAdapter:
         """Read `ref` in this thread into the host cache (when it has room); raises what the read raised."""
-        cached = self.host_cache.reserve(ref)
+        cached = self.host_cache.reserve(ref, num_bytes=self.reader.entry_bytes(ref))
         try:
             entry, seconds = self.reader.read_now(ref)
         except Exception:

@@ -1,7 +1,8 @@
 """One owner for a rank's adapter tiers, built from one LoRAConfig (one max_loras, one max_lora_rank).
 
-    registry ──reader (packer: a file into the slot's layout)──▶ host cache ──loads──▶ GPU pool
-    (names, versions)  (disk reads on threads)                  (LRU, pinned)        (slot table: which adapter where)
+    registry ──reader (packer: a file into its entry layout)──▶ host cache ──loads──▶ GPU pool
+    (names, versions)  (disk reads on threads)                 (LRU, page-locked,   (slot table: which adapter where;
+                                                                own sizes)          entries laid out into slots)
 
 Rank 0 (the engine) uses every tier: the registry names the adapters, the scheduler decides with the slot table and
 the prefetcher, the loads carry out what it decided. A follower rank (ranks/follower.py) reads and copies its share
@@ -22,6 +23,7 @@ from torch import nn
 from worker.config import LoRAConfig
 from worker.lora.adapter import AdapterSpec
 from worker.lora.gpu_pool import GPULoRAPool
+from worker.lora.host_buffers import HostBuffers
 from worker.lora.host_cache import HostAdapter, HostCache
 from worker.lora.host_cache_plan import plan_host_cache
 from worker.lora.loads import AdapterLoads
@@ -72,9 +74,10 @@ class AdapterManager:
         overlap = config.enable_lora_overlap_loading
         self.config = config
         self.pool = pool                  # device bytes of the slots (owned with the model by the runner)
-        self.host_cache = HostCache(plan_host_cache(config, pool.layout.num_bytes, model.tp.world_size))
-        self.packer = PackedReader(pool.layout, pin=pool.slots.device.type == "cuda",
-                                   read_threads=config.lora_read_threads if overlap else 1, shard=model)
+        self.host_cache = HostCache(*plan_host_cache(config, pool.layout.num_bytes, model.tp.world_size))
+        self.buffers = HostBuffers(pin=pool.slots.device.type == "cuda")
+        self.packer = PackedReader(pool.layout, self.buffers, read_threads=config.lora_read_threads if overlap else 1,
+                                   shard=model)
         self.reader = AdapterReader(self.packer, self.host_cache, config.lora_load_workers,
                                     on_read=followers.read if followers is not None else None)
         # rank 0's decisions
@@ -87,6 +90,11 @@ class AdapterManager:
                                   on_load=followers.load if followers is not None else None)
         # a follower's reads of its share: in flight, or done outside the host cache (no entry could be had)
         self._shard_reads: dict[AdapterRef, concurrent.futures.Future[tuple[HostAdapter, float]]] = {}
+
+    def settle(self) -> int:
+        """Wait until the memory of the adapters being read since startup is page-locked (the gateway asks before it
+        serves: page-locking holds up the device's work, lora/host_buffers.py); how many buffers that was."""
+        return self.buffers.settle()
 
     def resident_names(self) -> set[str]:
         """Names whose current version holds a GPU slot (loaded, or its copy in flight)."""
@@ -102,7 +110,7 @@ class AdapterManager:
         self._file_shard_reads()
         if ref in self._shard_reads or self.host_cache.get(ref) is not None:
             return
-        self.host_cache.reserve(ref)
+        self.host_cache.reserve(ref, num_bytes=self.packer.entry_bytes(spec))
         self._shard_reads[ref] = self.reader.submit(spec)
 
     def follow_load(self, ref: AdapterRef, spec: AdapterSpec, slot: int, rank: int) -> None:
@@ -113,7 +121,7 @@ class AdapterManager:
         if entry is None:
             entry, _ = self._shard_reads.pop(ref).result()     # begun with rank 0's read: usually done
             self._keep(ref, entry)
-        self.pool.start_load(slot, entry.packed, rank, ref)
+        self.pool.start_load(slot, entry.packed, rank, ref, entry.layout)
 
     def _file_shard_reads(self) -> None:
         """Finished reads into the host cache; a failed one gives its entry back and waits for its load to raise."""
@@ -125,4 +133,5 @@ class AdapterManager:
 
     def _keep(self, ref: AdapterRef, entry: HostAdapter) -> bool:
         """File `entry` in its reserved host-cache entry, or in one made now; False when none can be had."""
-        return (ref in self.host_cache or self.host_cache.reserve(ref)) and self.host_cache.fill(ref, entry)
+        return ((ref in self.host_cache or self.host_cache.reserve(ref, num_bytes=entry.num_bytes))
+                and self.host_cache.fill(ref, entry))

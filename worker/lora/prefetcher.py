@@ -51,7 +51,7 @@ class Prefetcher:
                 else:
                     result.loads.append((ref, slot))
             elif ref not in self.host and host_open and self.reader.num_in_flight < self.max_reads:
-                host_open = self.host.reserve(ref, protected, next_use)
+                host_open = self.host.reserve(ref, protected, next_use, self.reader.entry_bytes(ref))
                 if host_open:
                     self.reader.start(ref)
         return result

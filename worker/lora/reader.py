@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,14 +30,26 @@ class ReadResult:
     seconds: float
 
 
-class AdapterReader:
-    """Reads registered adapters into `host`. `read` (spec -> HostAdapter) and `executor` may be
-    replaced, e.g. by tests that hold a read back or run reads inline. `on_read(ref, spec)` is told of each read
-    as it starts (tensor parallelism: the other ranks read their shares beside it)."""
+class EntryReader(Protocol):
+    """What reads an adapter into a host-cache entry (slot_layout.PackedReader)."""
 
-    def __init__(self, read: Callable[[AdapterSpec], HostAdapter], host: HostCache, num_workers: int,
+    def __call__(self, spec: AdapterSpec, out: torch.Tensor | None = None) -> HostAdapter: ...
+
+    def entry_bytes(self, spec: AdapterSpec) -> int: ...
+
+    def prepare(self, spec: AdapterSpec) -> concurrent.futures.Future[torch.Tensor]: ...
+
+
+class AdapterReader:
+    """Reads registered adapters into `host`. `read` (spec, out -> HostAdapter) and `executor` may be
+    replaced, e.g. by tests that hold a read back or run reads inline; `entries` (the reader `read` starts as)
+    sizes the entries and prepares their memory. `on_read(ref, spec)` is told of each read as it starts (tensor parallelism: the other ranks
+    read their shares beside it)."""
+
+    def __init__(self, read: EntryReader, host: HostCache, num_workers: int,
                  on_read: Callable[[AdapterRef, AdapterSpec], None] | None = None):
-        self.read = read
+        self.read: Callable[[AdapterSpec, torch.Tensor | None], HostAdapter] = read
+        self.entries = read
         self.on_read = on_read
         self.host = host
         self._specs: dict[AdapterRef, AdapterSpec] = {}
@@ -50,10 +63,17 @@ class AdapterReader:
     def forget(self, ref: AdapterRef) -> None:
         self._specs.pop(ref, None)
 
-    def start(self, ref: AdapterRef) -> None:
-        """Read `ref` on a worker thread; its host entry is reserved already."""
+    def entry_bytes(self, ref: AdapterRef) -> int:
+        """The size of `ref`'s host-cache entry (what the host cache reserves for its read)."""
+        return self.entries.entry_bytes(self._specs[ref])
+
+    def start(self, ref: AdapterRef, prepare: bool = False) -> None:
+        """Read `ref` on a worker thread; its host entry is reserved already. `prepare`: its memory is made now,
+        beside the other reads' (lora/host_buffers.py: before the server serves)."""
         self._announce(ref)
-        self._reads[self.executor.submit(self._timed_read, self._specs[ref])] = ref
+        spec = self._specs[ref]
+        out = self.entries.prepare(spec) if prepare else None
+        self._reads[self.executor.submit(self._timed_read, spec, out)] = ref
 
     def read_now(self, ref: AdapterRef) -> tuple[HostAdapter, float]:
         """Read `ref` in this thread: (entry, seconds). Raises what the read raised."""
@@ -99,9 +119,10 @@ class AdapterReader:
     def num_in_flight(self) -> int:
         return len(self._reads)
 
-    def _timed_read(self, spec: AdapterSpec) -> tuple[HostAdapter, float]:
+    def _timed_read(self, spec: AdapterSpec, out: concurrent.futures.Future[torch.Tensor] | None = None
+                    ) -> tuple[HostAdapter, float]:
         start = time.perf_counter()
         with torch.inference_mode():
-            entry = self.read(spec)
+            entry = self.read(spec, None if out is None else out.result())
         return entry, time.perf_counter() - start
 

@@ -67,12 +67,15 @@ class AdapterRegistry:
         self.versions: dict[AdapterRef, AdapterVersion] = {}  # live versions (current, or still in use)
         self.tiers = {"host": TierCounters(), "gpu": TierCounters()}
         self._uids = 0
+        self._loaded: list[LoadedAdapter] = []
+        self._loaded_key: tuple | None = None
 
     def add(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
             warm: bool = False) -> None:
         """Validate and register an adapter; its weights are read when a request first needs them, or, when
-        `warm` and the host cache has room without evicting anything, now on a reader thread (the adapters
-        the server starts with: their first requests then pay only the host -> GPU copy)."""
+        `warm` and the host cache has room without evicting anything, now on a reader thread, its memory
+        page-locked beside the other warm adapters' (the adapters the server starts with: their first requests then
+        pay only the host -> GPU copy, and the gateway waits for their memory before it serves; AdapterManager.settle)."""
         if name in self.refs and not load_inplace:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                "adapter in place, set 'load_inplace' to True.")
@@ -90,9 +93,11 @@ class AdapterRegistry:
             self.host_cache.pin(ref)
         if old is not None:
             self._release(old)
-        if warm and self.host_cache.has_room():
-            self.host_cache.reserve(ref)
-            self.reader.start(ref)
+        if warm:
+            size = self.reader.entry_bytes(ref)
+            if self.host_cache.has_room(size):
+                self.host_cache.reserve(ref, num_bytes=size)
+                self.reader.start(ref, prepare=True)
         logger.info("adapter %s (rank %d, %s) registered from %s", name, spec.rank,
                     ",".join(spec.target_modules), path)
 
@@ -159,7 +164,14 @@ class AdapterRegistry:
     def loaded_adapters(self) -> list[LoadedAdapter]:
         """The registered names whose current version is in a GPU slot (its copy done: "gpu") or, if not, filled
         in the host cache ("cpu"), by name. A name leaves the list when it is evicted from both tiers or unloaded.
-        Walks the tiers' residents, not every registered name (this runs every step)."""
+        This runs every step: the list is made again only when a tier or the names changed since (a walk of a
+        thousand host entries took ~40 % of an 8-stream step loop's host time on an H200 host)."""
+        key = (self.slots.changes, self.host_cache.changes, self._uids, len(self.refs), len(self.versions))
+        if key != self._loaded_key:
+            self._loaded, self._loaded_key = self._walk_loaded(), key
+        return self._loaded
+
+    def _walk_loaded(self) -> list[LoadedAdapter]:
         loaded = []
         for ref in set(self.slots.residents()) | set(self.host_cache.filled()):
             level = "gpu" if self.slots.is_loaded(ref) else "cpu" if self.host_cache.is_filled(ref) else None

@@ -9,13 +9,15 @@ the per-slice scalings; each projection's LoRAWeights are strided views across a
 On a mixture-of-experts model the dense regions (attention, dense layers' MLPs, shared experts) are followed
 by one expert region per sparse layer, read as MoELoRAWeights (lora/expert_layout.py).
 
-The host cache keeps adapters in this layout, so a load into a GPU slot is one copy (lora/gpu_pool.py).
+The host cache keeps each adapter in this layout cut to its own size (`SlotLayout.entry_layout`: its rank, the
+projections it adapts); lora/expansion.py writes such an entry into a slot.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import math
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +30,9 @@ from worker.lora.adapter import (AdapterBytes, AdapterError, AdapterSource, Adap
                                  locate_adapter, read_adapter)
 from worker.lora.expert_layout import expert_layer_reads, expert_regions, expert_views, pack_expert_layer
 from worker.lora.file_reads import read_in_parts
+from worker.lora.host_buffers import HostBuffers
 from worker.lora.host_cache import HostAdapter
+from worker.lora.targets import EXPERT_MODULES
 
 _ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
 
@@ -54,13 +58,17 @@ class SlotLayout:
     The model's LoRA targets (lora/targets.py) say which projections of which layer have a region, in what order,
     and which slice of it each module fills; the built model's projections give their (this rank's) shapes."""
 
-    def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype, modules: Collection[str] | None = None):
         self.max_rank, self.dtype = max_rank, dtype
+        self.model = model
         self.targets = model.lora_targets(model.cfg)       # LoRATargets, computed from the architecture
         item = dtype.itemsize
         self.regions: dict[tuple[int, str], _Region] = {}
+        self._entry_layouts: dict[tuple[int, frozenset[str]], SlotLayout] = {}
         offset = 0
         for layer, name in self.targets.layer_projections():
+            if modules is not None and not set(self.targets.target(name).modules) & set(modules):
+                continue
             proj = model.projection(layer, name)
             n = len(proj.output_sizes)
             a_rank, b_offsets = proj.lora_slot_shape(max_rank)     # fully sharded LoRA holds less of A or B
@@ -69,7 +77,20 @@ class SlotLayout:
             s_offset = b_offset + _aligned(b_shape[0] * b_shape[1] * item)
             self.regions[(layer, name)] = _Region(offset, b_offset, s_offset, a_shape, b_shape, b_offsets)
             offset = s_offset + _aligned(4 * n)
-        self.expert_regions, self.num_bytes = expert_regions(model, self.targets, max_rank, dtype, offset)
+        if modules is None or set(EXPERT_MODULES) & set(modules):
+            self.expert_regions, self.num_bytes = expert_regions(model, self.targets, max_rank, dtype, offset)
+        else:
+            self.expert_regions, self.num_bytes = {}, offset
+
+    def entry_layout(self, spec: AdapterSpec) -> SlotLayout:
+        """The layout of `spec`'s host-cache entry: this layout cut to the adapter's own size, its rank (the largest
+        of its modules') and the projections it adapts (a fused projection whole, if it adapts one of its modules;
+        the expert regions if it adapts experts). lora/expansion.py writes an entry into a slot of this layout."""
+        key = (spec.rank, frozenset(spec.target_modules))
+        layout = self._entry_layouts.get(key)
+        if layout is None:
+            layout = self._entry_layouts[key] = SlotLayout(self.model, spec.rank, self.dtype, spec.target_modules)
+        return layout
 
     def views(self, slots: torch.Tensor) -> dict[tuple[int, str], LoRAWeights]:
         """Per-projection weights over `slots` ([num_slots, num_bytes] uint8), sharing its storage."""
@@ -88,22 +109,23 @@ class SlotLayout:
         return expert_views(slots, self.expert_regions)
 
     @torch.no_grad()
-    def pack(self, adapter: AdapterBytes, pin: bool) -> torch.Tensor:
+    def pack(self, adapter: AdapterBytes, out: torch.Tensor | None = None) -> torch.Tensor:
         """`adapter` as one slot's bytes ([num_bytes] uint8), built by a single concatenation of its
         tensors' bytes, its scalings and zero fill (a few tensor operations in all, whatever the number
         of modules); modules it does not target stay zero.
 
         A slice of rank r < R is followed by R - r zero rows of lora_A, and its lora_B rows are padded to R
         (fully sharded LoRA: lora_A holds this rank's share of R's rows, already padded by adapter_shards).
+        `out`: a [num_bytes] uint8 buffer to write (every byte is written).
         """
         assert adapter.dtype == self.dtype, f"adapter read as {adapter.dtype}, slots hold {self.dtype}"
         parts = [("bytes", m.a) if kind == "a" else ("bytes", self._b_rows(m)) if kind == "b" else
                  ("bytes", pack_expert_layer(m[1], adapter.experts.get(m[0]), adapter.file)) if kind == "experts"
                  else (kind, m) for kind, m in self._parts(adapter.modules)]
-        return self._concatenate(parts, pin)
+        return self._concatenate(parts, out)
 
     @torch.no_grad()
-    def read_packed(self, source: AdapterSource, pin: bool, out: torch.Tensor | None = None,
+    def read_packed(self, source: AdapterSource, out: torch.Tensor | None = None,
                     pool: concurrent.futures.Executor | None = None, parts: int = 1) -> torch.Tensor | None:
         """The slot bytes of `source` (adapter.locate_adapter) as `pack` builds them, with the weights read
         from the file straight into place: one scattered read (os.preadv) per file-contiguous run of
@@ -116,7 +138,7 @@ class SlotLayout:
         if source.dtypes != {self.dtype}:
             return None
         item, R = self.dtype.itemsize, self.max_rank
-        packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin) if out is None else out
+        packed = torch.empty(self.num_bytes, dtype=torch.uint8) if out is None else out
         assert packed.shape == (self.num_bytes,) and packed.dtype == torch.uint8 and packed.is_contiguous()
         # numpy for the small writes: no GIL hand-offs to the step loop between them (torch ops release
         # the GIL and wait up to a switch interval to get it back); the reads release it for their length
@@ -189,7 +211,7 @@ class SlotLayout:
         rows = m.b.view(self.dtype).view(m.out_features, m.rank)
         return F.pad(rows, (0, self.max_rank - m.rank)).view(-1).view(torch.uint8)
 
-    def _concatenate(self, parts: list[tuple[str, object]], pin: bool) -> torch.Tensor:
+    def _concatenate(self, parts: list[tuple[str, object]], out: torch.Tensor | None) -> torch.Tensor:
         zero_counts = [n for kind, n in parts if kind == "zeros"]
         zeros = iter(torch.zeros(sum(zero_counts), dtype=torch.uint8).split(zero_counts))
         values = [v for kind, floats in parts if kind == "scalings" for v in floats]
@@ -197,7 +219,8 @@ class SlotLayout:
             [4 * len(floats) for kind, floats in parts if kind == "scalings"]))
         tensors = [part if kind == "bytes" else next(zeros) if kind == "zeros" else next(scalings)
                    for kind, part in parts]
-        packed = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=pin)
+        packed = torch.empty(self.num_bytes, dtype=torch.uint8) if out is None else out
+        assert packed.shape == (self.num_bytes,) and packed.dtype == torch.uint8 and packed.is_contiguous()
         return torch.cat(tensors, out=packed)
 
 
@@ -222,30 +245,74 @@ def _run_all(calls: list[Callable[[], None]], pool: concurrent.futures.Executor 
 
 class PackedReader:
     """spec -> HostAdapter: check the directory again (it may have changed since it was registered) and
-    read it into the GPU slot layout: straight from the file into place when it stores the slots' dtype
-    (SlotLayout.read_packed), else read, converted and packed. With `read_threads` > 1 the file reads
-    of one adapter are split across that many threads of the reader's own pool.
+    read it into its entry layout (SlotLayout.entry_layout: its own rank and projections), in a buffer of
+    `buffers` (page-locked on CUDA, given back when the entry is gone): straight from the file into place when
+    it stores the slots' dtype (SlotLayout.read_packed), else read, converted and packed. With `read_threads` > 1
+    the file reads of one adapter are split across that many threads of the reader's own pool.
     `shard`: a model sharded over tensor-parallel ranks; each adapter is then read whole and cut to this rank's
     share (lora/shards.py) before it is packed."""
 
-    def __init__(self, layout: SlotLayout, pin: bool, read_threads: int = 1, shard: nn.Module | None = None):
-        self.layout, self.targets, self.pin = layout, layout.targets, pin
+    def __init__(self, layout: SlotLayout, buffers: HostBuffers, read_threads: int = 1,
+                 shard: nn.Module | None = None):
+        self.layout, self.targets, self.buffers = layout, layout.targets, buffers
         self.shard = shard if shard is not None and shard.tp.world_size > 1 else None
         self.read_threads = read_threads
         self.pool = (concurrent.futures.ThreadPoolExecutor(read_threads, thread_name_prefix="lora-io")
                      if read_threads > 1 else None)
 
-    def __call__(self, spec: AdapterSpec) -> HostAdapter:
+    def entry_bytes(self, spec: AdapterSpec) -> int:
+        """The size of `spec`'s host-cache entry."""
+        return self.layout.entry_layout(spec).num_bytes
+
+    def prepare(self, spec: AdapterSpec) -> concurrent.futures.Future[torch.Tensor]:
+        """A buffer for `spec`'s entry, made now on the buffers' own threads (HostBuffers.prepare)."""
+        return self.buffers.prepare(self.entry_bytes(spec))
+
+    def __call__(self, spec: AdapterSpec, out: torch.Tensor | None = None) -> HostAdapter:
+        """Read `spec` into `out` (from `prepare`; exchanged if the directory now needs another size) or a buffer
+        taken now."""
+        try:
+            layout, rank, fill = self._plan(spec)
+        except BaseException:
+            if out is not None:
+                self.buffers.give_back(out)
+            raise
+        return self._entry(layout, rank, out, fill)
+
+    def _plan(self, spec: AdapterSpec) -> tuple[SlotLayout, int, Callable[[torch.Tensor], object]]:
+        """(the entry's layout, its rank, what writes it into a buffer), from the directory as it is now."""
         if self.shard is not None:
             from worker.lora.shards import shard_adapter
             adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
-            return HostAdapter(self.layout.pack(shard_adapter(self.shard, adapter), self.pin), adapter.spec.rank)
+            layout = self.layout.entry_layout(adapter.spec)
+            return layout, adapter.spec.rank, lambda buffer: layout.pack(shard_adapter(self.shard, adapter), buffer)
         source = locate_adapter(spec.name, spec.path, self.targets, self.layout.max_rank)
+        layout = self.layout.entry_layout(source.spec)
+
+        def fill(buffer: torch.Tensor) -> None:
+            try:
+                packed = layout.read_packed(source, buffer, pool=self.pool, parts=self.read_threads)
+            except OSError as e:
+                raise AdapterError(f"adapter_model.safetensors in {spec.path} is unreadable: {e!r}") from e
+            if packed is None:
+                adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
+                layout.pack(adapter, buffer)
+        return layout, source.spec.rank, fill
+
+    def _entry(self, layout: SlotLayout, rank: int, out: torch.Tensor | None,
+               fill: Callable[[torch.Tensor], object]) -> HostAdapter:
+        """The entry `fill` writes in `out`, or in a buffer of the layout's size when `out` is not one (`out` then
+        given back; so is the buffer when `fill` fails)."""
+        buffer = out
+        if buffer is None or buffer.numel() != layout.num_bytes:
+            buffer = self.buffers.get(layout.num_bytes)
+            if out is not None:
+                self.buffers.give_back(out)
         try:
-            packed = self.layout.read_packed(source, self.pin, pool=self.pool, parts=self.read_threads)
-        except OSError as e:
-            raise AdapterError(f"adapter_model.safetensors in {spec.path} is unreadable: {e!r}") from e
-        if packed is None:
-            adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
-            packed = self.layout.pack(adapter, self.pin)
-        return HostAdapter(packed, source.spec.rank)
+            fill(buffer)
+        except BaseException:
+            self.buffers.give_back(buffer)
+            raise
+        packed = buffer[:]           # the entry's own tensor: the buffer goes back once no tier nor copy holds it
+        weakref.finalize(packed, self.buffers.give_back, buffer)
+        return HostAdapter(packed, rank, layout)

@@ -38,6 +38,7 @@ class SlotTable:
         self._pinned: set[AdapterRef] = set()
         self._clock = 0
         self.evictions = 0                      # resident adapters displaced by another
+        self.changes = 0                        # counts changes of who is resident and loaded
 
     def acquire(self, ref: AdapterRef) -> tuple[int, bool] | None:
         """Reference `ref`'s slot: (slot, needs_load). None when every slot is in use.
@@ -74,6 +75,7 @@ class SlotTable:
         if slot is None:
             return False
         self._loading[slot] = False
+        self.changes += 1
         return True
 
     def release(self, ref: AdapterRef) -> None:
@@ -126,6 +128,7 @@ class SlotTable:
         assert self._refcounts[slot] == 0, f"drop of adapter {ref} still used by running requests"
         self._adapters[slot] = None
         self._loading[slot] = False
+        self.changes += 1
         return True
 
     def _victim(self, protected: Container[AdapterRef] = (),
@@ -148,6 +151,7 @@ class SlotTable:
         self._adapters[slot] = ref
         self._slots[ref] = slot
         self._stamps[slot] = self._tick()
+        self.changes += 1
 
     def _tick(self) -> int:
         self._clock += 1

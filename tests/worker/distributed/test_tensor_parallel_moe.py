@@ -190,7 +190,7 @@ def test_a_ranks_expert_slot_holds_its_share_of_the_whole_slot(hf_moe_models, ex
     for slot, (name, path) in enumerate(expert_adapters["qwen2_moe"]):
         adapter = read_adapter(name, path, lora_targets(cfg), MAX_RANK, torch.float32)
         for pool, model in zip(pools, (whole_model, shard_model)):
-            pool.start_load(slot, pool.layout.pack(shard_adapter(model, adapter), pin=False), adapter.spec.rank, name)
+            pool.start_load(slot, pool.layout.pack(shard_adapter(model, adapter)), adapter.spec.rank, name)
     whole, shard = pools[0].expert_weights[0], pools[1].expert_weights[0]
     i, start = 16, 16 * rank
     gate_b, up_b = whole.gate_up_b.split([32, 32], dim=2)                      # [S, E, I, R] each
@@ -209,7 +209,7 @@ def test_an_expert_adapter_read_in_place_into_a_ranks_slot_is_refused(hf_moe_mod
     name, path = expert_adapters["qwen3_moe"][3]                              # stacked, experts only
     source = locate_adapter(name, path, lora_targets(ArchConfig.from_dir(model_dir)), MAX_RANK)
     with pytest.raises(ValueError, match="read_adapter, shard_adapter and SlotLayout.pack it"):
-        SlotLayout(model, MAX_RANK, torch.float32).read_packed(source, pin=False)
+        SlotLayout(model, MAX_RANK, torch.float32).read_packed(source)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def test_each_moe_block_all_reduces_once_with_its_shared_expert_and_expert_lora(
     pool = GPULoRAPool(model, 1, MAX_RANK, torch.float32, torch.device("cpu"))
     name, path = expert_adapters["qwen2_moe"][0]
     adapter = read_adapter(name, path, lora_targets(cfg), MAX_RANK, torch.float32)
-    pool.start_load(0, pool.layout.pack(shard_adapter(model, adapter), pin=False), adapter.spec.rank, name)
+    pool.start_load(0, pool.layout.pack(shard_adapter(model, adapter)), adapter.spec.rank, name)
     shape = (2, 16, model.num_kv_heads, cfg.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
     model(forward_batch([([5, 6, 7, 8], 0)], [0], pool.ranks_host), kv)

@@ -103,7 +103,7 @@ def model_logits(case: Case, tp: TensorParallel = SINGLE) -> torch.Tensor:
         pool = GPULoRAPool(model, len(case.adapters), MAX_RANK, torch.float32, device)
         for slot, (name, path) in enumerate(case.adapters):
             adapter = read_adapter(name, path, lora_targets(cfg), MAX_RANK, torch.float32)
-            pool.start_load(slot, pool.layout.pack(shard_adapter(model, adapter), pin=False), adapter.spec.rank, name)
+            pool.start_load(slot, pool.layout.pack(shard_adapter(model, adapter)), adapter.spec.rank, name)
         if device.type == "cuda":
             pool.wait_for(range(len(case.adapters)))
         ranks = pool.ranks_host

@@ -21,6 +21,8 @@ from worker.lora.adapter import inspect_adapter, locate_adapter, read_adapter
 from worker.lora.expert_layout import ALIGN
 from worker.lora.formats.experts import read_expert_formats
 from worker.lora.safetensors_file import tensor_file
+from tests.worker.lora.slot_refs import laid_out
+from worker.lora.host_buffers import HostBuffers
 from worker.lora.slot_layout import PackedReader, SlotLayout
 from worker.models.builder import build_model
 
@@ -53,9 +55,9 @@ def adapters(tmp_path_factory) -> dict:
 
 def _pack(path, model_dir, layout: SlotLayout) -> torch.Tensor:
     spec = inspect_adapter("a", path, layout.targets, MAX_RANK)
-    entry = PackedReader(layout, pin=False)(spec)
+    entry = PackedReader(layout, HostBuffers(pin=False))(spec)
     assert entry.rank == spec.rank
-    return entry.packed
+    return laid_out(layout, entry)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -159,10 +161,10 @@ def test_expert_adapters_read_into_place_give_the_bytes_pack_gives(moe_model, re
         path = _stored_as(path, dtype, tmp_path_factory.getbasetemp() / f"{name}-{dtype}")
     stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
     with concurrent.futures.ThreadPoolExecutor(parts) as pool:
-        got = layout.read_packed(locate_adapter("a", path, layout.targets, MAX_RANK), pin=False, out=stale, pool=pool,
+        got = layout.read_packed(locate_adapter("a", path, layout.targets, MAX_RANK), out=stale, pool=pool,
                                  parts=parts)
     assert got is stale
-    want = layout.pack(read_adapter("a", path, layout.targets, MAX_RANK, dtype), pin=False)
+    want = layout.pack(read_adapter("a", path, layout.targets, MAX_RANK, dtype))
     for layer, region in layout.expert_regions.items():
         span = slice(region.offset, region.offset + region.num_bytes)
         assert torch.equal(got[span], want[span]), layer
@@ -173,7 +175,7 @@ def test_expert_adapters_stored_in_another_dtype_take_the_converting_read(moe_mo
     """A float32 file under bfloat16 slots: read_packed leaves it to read_adapter + pack (one contiguous buffer)."""
     model_dir, model = moe_model
     layout = SlotLayout(model, MAX_RANK, torch.bfloat16)
-    assert layout.read_packed(locate_adapter("a", adapters["stacked"], layout.targets, MAX_RANK), pin=False) is None
+    assert layout.read_packed(locate_adapter("a", adapters["stacked"], layout.targets, MAX_RANK)) is None
     packed = _pack(adapters["stacked"], model_dir, layout)
     assert packed.is_contiguous() and packed.shape == (layout.num_bytes,)
 
@@ -184,8 +186,8 @@ def test_an_attention_adapter_on_a_moe_model_reads_straight_into_place(moe_model
     layout = SlotLayout(model, MAX_RANK, torch.float32)
     path = adapter_dir(model_dir, "r8-attn")
     stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
-    got = layout.read_packed(locate_adapter("a", path, layout.targets, MAX_RANK), pin=False, out=stale)
+    got = layout.read_packed(locate_adapter("a", path, layout.targets, MAX_RANK), out=stale)
     assert got is stale
-    assert torch.equal(got, layout.pack(read_adapter("a", path, layout.targets, MAX_RANK, torch.float32), pin=False))
+    assert torch.equal(got, layout.pack(read_adapter("a", path, layout.targets, MAX_RANK, torch.float32)))
     for region in layout.expert_regions.values():
         assert not got[region.offset:region.offset + region.num_bytes].any()

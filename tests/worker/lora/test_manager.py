@@ -40,7 +40,7 @@ def test_every_tier_is_built_from_one_lora_config(llama, overlap):
     assert (m.pool.num_slots, m.slots.num_slots, m.slots.policy) == (3, 3, "fifo")
     assert m.pool.max_rank == m.packer.layout.max_rank == 8 and m.packer.layout is m.pool.layout
     assert m.host_cache.capacity == 5
-    assert m.packer.read_threads == (2 if overlap else 1) and not m.packer.pin
+    assert m.packer.read_threads == (2 if overlap else 1) and not m.packer.buffers.pin and m.packer.buffers is m.buffers
     assert m.reader.read is m.packer and m.reader.host is m.host_cache and m.reader.on_read is None
     assert (m.registry.slots, m.registry.host_cache, m.registry.reader) == (m.slots, m.host_cache, m.reader)
     assert (m.loads.reader, m.loads.host_cache, m.loads.pool, m.loads.slots, m.loads.registry, m.loads.on_load) == (
@@ -163,7 +163,7 @@ class FollowerReads:
         self.reads: list[str] = []
         self.failing: set[str] = set()
 
-    def _read(self, spec: AdapterSpec) -> HostAdapter:
+    def _read(self, spec: AdapterSpec, out: torch.Tensor | None = None) -> HostAdapter:
         self.reads.append(spec.name)
         if spec.name in self.failing:
             raise OSError(f"{spec.name} is gone")

@@ -23,6 +23,9 @@ class RecordingReader:
     def start(self, ref):
         self.started.append(ref)
 
+    def entry_bytes(self, ref):
+        return 4
+
     @property
     def num_in_flight(self):
         return len(self.started)
@@ -121,7 +124,8 @@ def test_queued_adapter_is_on_the_gpu_before_its_turn(llama):
     loads = []
     pool = engine.adapters.pool
     load = pool.start_load
-    pool.start_load = lambda slot, packed, rank, key: (loads.append(key.name), load(slot, packed, rank, key))
+    pool.start_load = lambda slot, packed, rank, key, layout=None: (loads.append(key.name),
+                                                                    load(slot, packed, rank, key, layout))
     steps, finished_a = [], None
     while engine.has_unfinished():
         outs = {o.request_id: o for o in engine.step()}

@@ -140,15 +140,16 @@ def test_warm_reads_are_filed_while_the_engine_is_idle(llama, variants):
         "v0": ("host", False), "v1": ("host", False)}
 
 
-def test_a_host_cache_larger_than_the_host_fails_at_startup_and_an_unbounded_one_is_sized_to_fit(llama, monkeypatch):
+def test_the_host_cache_is_bounded_by_half_the_available_memory_and_refuses_a_host_too_small(llama, monkeypatch):
     available = available_host_bytes()
     if available is None:
         pytest.skip("no /proc/meminfo here")
     # MemAvailable read once: the engines plan against this figure, not one the machine's other work has moved
     monkeypatch.setattr("worker.lora.host_cache_plan.available_host_bytes", lambda: available)
-    sized = make_engine(llama)                                  # --max-cpu-loras not set: as many as fit
+    sized = make_engine(llama, max_cpu_loras=7)
+    assert sized.adapters.host_cache.capacity == 7
+    assert sized.adapters.host_cache.capacity_bytes == int(available * HOST_CACHE_FRACTION)
     slot = sized.runner.lora_pool.layout.num_bytes
-    assert sized.adapters.host_cache.capacity == int(available * HOST_CACHE_FRACTION) // slot
-    too_many = 4 * available // slot
-    with pytest.raises(HostCachePlanError, match=f"--max-cpu-loras {too_many} adapters"):
-        make_engine(llama, max_cpu_loras=too_many)
+    monkeypatch.setattr("worker.lora.host_cache_plan.available_host_bytes", lambda: slot)    # half a slot allowed
+    with pytest.raises(HostCachePlanError, match="cannot hold 1 adapter"):
+        make_engine(llama)

@@ -13,6 +13,8 @@ from tests.hf_fixtures import ADAPTERS, adapter_dir, peft_lora
 from tests.worker.lora.engine_runs import make_engine
 from worker.kernels import reference
 from worker.lora.adapter import locate_adapter, read_adapter
+from tests.worker.lora.slot_refs import laid_out
+from worker.lora.host_buffers import HostBuffers
 from worker.lora.slot_layout import PackedReader
 from worker.arch import ArchConfig
 from worker.models.builder import lora_targets
@@ -25,7 +27,7 @@ def test_a_packed_adapter_loads_into_its_slot_with_one_copy(llama):
     spec = ADAPTERS[1]     # every target, two ranks, alpha_pattern
     peft = peft_lora(llama, spec)          # the reference: PEFT's tensors, PEFT's scalings
     adapter = read_adapter(spec.name, adapter_dir(llama, spec.name), targets, 16, torch.float32)
-    packed = pool.layout.pack(adapter, pin=False)
+    packed = pool.layout.pack(adapter)
     assert packed.shape == (pool.layout.num_bytes,)
     rank = adapter.spec.rank
     assert rank == max(a.shape[0] for a, _, _ in peft.values())
@@ -82,10 +84,10 @@ def test_reading_straight_into_place_gives_the_packed_bytes(llama, spec, max_ran
     monkeypatch.setattr(file_reads, "MIN_PART_BYTES", 1000)     # the fixtures' adapters are small
     engine = make_engine(llama, max_loras=2, max_lora_rank=max_rank)
     layout, path = engine.runner.lora_pool.layout, adapter_dir(llama, spec.name)
-    expected = layout.pack(read_adapter(spec.name, path, layout.targets, max_rank, torch.float32), pin=False)
+    expected = layout.pack(read_adapter(spec.name, path, layout.targets, max_rank, torch.float32))
     stale = torch.full((layout.num_bytes,), 0xAB, dtype=torch.uint8)
     with concurrent.futures.ThreadPoolExecutor(parts) as pool:
-        got = layout.read_packed(locate_adapter(spec.name, path, layout.targets, max_rank), pin=False, out=stale,
+        got = layout.read_packed(locate_adapter(spec.name, path, layout.targets, max_rank), out=stale,
                                  pool=pool, parts=parts)
     assert got is stale and torch.equal(got, expected)
 
@@ -105,8 +107,8 @@ def test_reading_into_place_leaves_other_dtypes_to_the_converting_read(llama, tm
     engine = make_engine(llama, max_loras=2)
     layout = engine.runner.lora_pool.layout
     source = locate_adapter("bf16", path, layout.targets, 16)
-    assert layout.read_packed(source, pin=False) is None     # the slots are fp32
-    entry = PackedReader(layout, pin=False)(source.spec)     # the engine's reader converts instead
-    assert torch.equal(entry.packed, layout.pack(read_adapter("bf16", path, layout.targets, 16, torch.float32),
-                                                 pin=False))
+    assert layout.read_packed(source) is None     # the slots are fp32
+    entry = PackedReader(layout, HostBuffers(pin=False))(source.spec)     # the engine's reader converts instead
+    assert torch.equal(laid_out(layout, entry), layout.pack(read_adapter("bf16", path, layout.targets, 16,
+                                                                         torch.float32)))
     assert entry.rank == source.spec.rank

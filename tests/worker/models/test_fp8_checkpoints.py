@@ -87,7 +87,7 @@ def our_logits(model, adapters: list) -> torch.Tensor:
     pool = GPULoRAPool(model, len(adapters), MAX_RANK, torch.float32, CPU)
     for slot, path in enumerate(adapters):
         adapter = read_adapter(path.name, path, lora_targets(cfg), MAX_RANK, torch.float32)
-        pool.start_load(slot, pool.layout.pack(adapter, pin=False), adapter.spec.rank, path.name)
+        pool.start_load(slot, pool.layout.pack(adapter), adapter.spec.rank, path.name)
     shape = (len(ROWS) * 2, BLOCK_SIZE, model.num_kv_heads, cfg.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
     prompts, decode = _prompts(cfg.vocab_size)
