@@ -8,7 +8,7 @@
 the streams start, each sending ~`--input-len` random-id prompts, `--output-len` tokens with ignore_eos, back to
 back for `--seconds`, on adapters drawn zipf(1.0) over the N; they go out from one client process per 64 streams.
 Beside them /metrics is polled every 0.1 s: the reads are done when every adapter is in memory
-(vllm:num_cpu_loaded_lora_adapters + vllm:num_gpu_loaded_lora_adapters = N). Each inter-token gap (a stream's
+(vllm:num_cpu_loaded_lora_adapters, either tier, = N). Each inter-token gap (a stream's
 consecutive chunks) is filed by when it ended: during the reads, or after them (from 2 s after, so the switch is
 not straddled); `--start-after-s` past the reads with `--split-s` (a fixed split after the streams start) is the control: the first
 stretch of traffic with nothing being read. Reports,
@@ -117,8 +117,7 @@ def run_point(args, streams: int, port: int) -> dict:
         done_at, polls = None, []
         while any(c.is_alive() for c in clients) and queue.qsize() < procs:
             text = httpx.get(f"{base}/metrics", timeout=5).text
-            loaded = (_metric(text, "vllm:num_cpu_loaded_lora_adapters")
-                      + _metric(text, "vllm:num_gpu_loaded_lora_adapters"))
+            loaded = _metric(text, "vllm:num_cpu_loaded_lora_adapters")     # either tier
             polls.append((time.time() - healthy, loaded))
             if done_at is None and loaded >= args.num_adapters:
                 done_at = time.time()
@@ -132,6 +131,7 @@ def run_point(args, streams: int, port: int) -> dict:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(60)
+    read_s = None if done_at is None else done_at - healthy
     if args.split_s is not None:           # a control: split at a fixed time instead of at the reads' end
         done_at = traffic + args.split_s
     during, after = [], []
@@ -149,7 +149,7 @@ def run_point(args, streams: int, port: int) -> dict:
         return {"gaps": len(gaps), "tpot_ms": 1e3 * statistics.fmean(gaps), "p50_ms": 1e3 * q[49],
                 "p95_ms": 1e3 * q[94], "p99_ms": 1e3 * q[98]}
     point = {"streams": streams, "startup_s": healthy - started,
-             "reads_s_after_health": None if done_at is None else done_at - healthy,
+             "reads_s_after_health": read_s,
              "during": summary(during), "after": summary(after), "loaded_over_time": polls[::10]}
     if done_at is not None:
         point |= {"host_cache_bytes": host_bytes, "server_rss_bytes": rss}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import multiprocessing
 import select
 import signal
@@ -26,6 +27,7 @@ from worker.ipc.shm_ring import ShmRing, ShmRingHandle
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.005     # with no request unfinished but adapter reads in flight, how often the loop files them
+STATS_INTERVAL_S = 0.05  # while requests run, the counters go to the gateway at most this often (for /metrics)
 
 
 class GatewayGone(Exception):
@@ -47,6 +49,7 @@ class Worker:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToWorker)
         self._stats: Stats | None = None
+        self._stats_at = -math.inf           # when the counters were last looked at
         self._unnotified = False
         self._max_batch_bytes = outbound.capacity // 4     # a larger step is split, so a frame always fits
 
@@ -86,7 +89,7 @@ class Worker:
                 self.send_outputs(engine.step())
             elif engine.has_background_work():
                 self.send_outputs(engine.idle_poll())
-            self._send_stats_if_changed(engine)
+            self._send_stats_if_changed(engine, busy=engine.has_unfinished())
             self.flush()
             if engine.has_unfinished():
                 if not self._serve_until(time.monotonic() + engine.launch_delay(), engine):
@@ -171,7 +174,14 @@ class Worker:
                                         status_code=getattr(e, "status_code", 400))
         return AdapterCommandResult(command.command_id, ok=True)
 
-    def _send_stats_if_changed(self, engine: EngineInterface) -> None:
+    def _send_stats_if_changed(self, engine: EngineInterface, busy: bool = False) -> None:
+        """The engine's counters to the gateway (its /metrics) when they changed: while the engine has work, at
+        most every STATS_INTERVAL_S (they walk the adapter tiers; with a thousand adapters being read, every step
+        would pay for it), at once when it has none (the last figures of a burst are never held back)."""
+        now = time.monotonic()
+        if busy and now - self._stats_at < STATS_INTERVAL_S:
+            return
+        self._stats_at = now
         stats = Stats(engine.num_running, engine.num_waiting, list(engine.running_adapter_names()),
                       list(engine.waiting_adapter_names()), engine.lora_stats(), engine.kv_cache_usage,
                       engine.num_preemptions, engine.prefix_cache_queries, engine.prefix_cache_hits)

@@ -251,3 +251,34 @@ def test_settle_is_answered_and_an_unknown_adapter_command_is_refused(waiting):
     assert (refused.command_id, refused.ok, refused.status_code) == (2, False, 400)
     assert refused.message == "Unknown adapter command 'reload'; expected 'load', 'unload', 'list' or 'settle'."
 
+
+class CountingEngine(FakeEngine):
+    """A stand-in whose counters change at every look and say how often they were looked at."""
+
+    def __init__(self):
+        super().__init__(WorkerConfig(ModelConfig("stand-in")))
+        self.looks = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        self.looks += 1
+        return self.looks
+
+
+@pytest.mark.parametrize("rings", [1 << 20], indirect=True)
+def test_counters_go_at_most_every_interval_while_busy_and_at_once_when_idle(rings, monkeypatch):
+    from worker import __main__ as worker_main
+    worker, from_worker = rings
+    engine = CountingEngine()
+    clock = [100.0]
+    monkeypatch.setattr(worker_main.time, "monotonic", lambda: clock[0])
+    sent = lambda: [m for m in received(from_worker) if type(m).__name__ == "Stats"]
+    worker._send_stats_if_changed(engine, busy=True)             # the first look goes at once
+    for _ in range(5):                                             # busy steps within the interval: no look
+        clock[0] += worker_main.STATS_INTERVAL_S / 10
+        worker._send_stats_if_changed(engine, busy=True)
+    assert engine.looks == 1 and len(sent()) == 1
+    clock[0] += worker_main.STATS_INTERVAL_S
+    worker._send_stats_if_changed(engine, busy=True)               # the interval passed
+    worker._send_stats_if_changed(engine, busy=False)              # idle: at once
+    assert engine.looks == 3 and [s.num_preemptions for s in sent()] == [2, 3]
