@@ -106,6 +106,10 @@ class StandInEngine(EngineInterface):
     def prefix_cache_hits(self) -> int:
         return 0
 
+    @property
+    def num_adapters_loading(self) -> int:
+        return 0
+
     def running_adapter_names(self) -> list[str]:
         return sorted({r.lora_name for r in self._running.values() if r.lora_name is not None})
 

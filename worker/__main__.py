@@ -184,7 +184,8 @@ class Worker:
         self._stats_at = now
         stats = Stats(engine.num_running, engine.num_waiting, list(engine.running_adapter_names()),
                       list(engine.waiting_adapter_names()), engine.lora_stats(), engine.kv_cache_usage,
-                      engine.num_preemptions, engine.prefix_cache_queries, engine.prefix_cache_hits)
+                      engine.num_preemptions, engine.prefix_cache_queries, engine.prefix_cache_hits,
+                      engine.num_adapters_loading)
         if stats != self._stats:
             self.send(stats)
             self._stats = stats

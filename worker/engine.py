@@ -38,6 +38,7 @@ from worker.request import AdapterRef, Request
 from worker.scheduler.scheduler import Scheduler
 from worker.structured.structured_outputs import StructuredOutputs
 from worker.validation import validate_request
+from worker.warm_read_log import WarmReadLog
 
 if TYPE_CHECKING:
     from worker.kv_events.publisher import KVEventPublisher
@@ -101,6 +102,7 @@ class Engine:
         paced = config.late_launch and config.async_scheduling and self.device.type == "cuda"
         self._pacer = LaunchPacer(self._shape) if paced else None
         self._arrivals = itertools.count()
+        self._warm_reads = WarmReadLog()      # the log of the --lora-modules adapters' reads into host memory
         self.structured.wait_ready()          # begun before the model loaded; no request waits for it later
         logger.info("engine ready: %s on %s (%s), %d KV blocks (%s), %s adapter loads, prefix caching %s",
                     self.arch.architecture, self.device, self.dtype, self.num_kv_blocks, config.cache.kv_cache_dtype,
@@ -115,6 +117,9 @@ class Engine:
         beside the steps, into the host cache when `warm` and the cache has room (--lora-modules)."""
         old = self.adapters.registry.refs.get(name)
         self.adapters.registry.add(name, path, load_inplace=load_inplace, pinned=pinned, warm=warm)
+        ref = self.adapters.registry.refs[name]
+        if warm and self._reading_into_host(ref):
+            self._warm_reads.started(ref)
         if old is not None:
             self._drop_cached_blocks(old)
 
@@ -165,12 +170,20 @@ class Engine:
         return self.scheduler.has_unfinished() or self.structured.num_compiling > 0
 
     def has_background_work(self) -> bool:
-        """Adapter reads or slot copies in flight (the --lora-modules adapters read at startup, prefetches)."""
-        return self.adapters.loads.num_in_flight > 0
+        """Adapter reads or slot copies in flight (the --lora-modules adapters read at startup, prefetches), or the
+        warm reads' last log line still to write."""
+        return self.adapters.loads.num_in_flight > 0 or self._warm_reads.open
 
     def idle_poll(self) -> list[RequestOutput]:
         """File the adapter reads and copies that finished while idle, so that they show as resident."""
-        return self._fail_loads(self.adapters.loads.collect())
+        outputs = self._fail_loads(self.adapters.loads.collect())
+        self._warm_reads.update(self._reading_into_host)
+        return outputs
+
+    @property
+    def num_adapters_loading(self) -> int:
+        """Adapters whose read from disk into host memory is queued or running."""
+        return self.adapters.reader.num_in_flight
 
     @property
     def num_running(self) -> int:
@@ -219,6 +232,7 @@ class Engine:
         events)."""
         outputs = self._step()
         self._publish_kv_events()
+        self._warm_reads.update(self._reading_into_host)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -327,11 +341,17 @@ class Engine:
         """End every unfinished request of each failed adapter with its error, and drop them from `batch`."""
         outputs = []
         for load in failed:
+            self._warm_reads.failed(load.ref)
             for request in self.scheduler.fail_adapter(load.ref, batch):
                 self._forget(request)
                 outputs.append(RequestOutput(request.request_id, [], finish_reason="error", error=load.message,
                                              status_code=500, num_prompt_tokens=request.num_prompt_tokens))
         return outputs
+
+    def _reading_into_host(self, ref: AdapterRef) -> bool:
+        """Whether `ref`'s read into host memory is queued or running: its host-cache entry reserved, not filled."""
+        host = self.adapters.host_cache
+        return ref in host and not host.is_filled(ref)
 
     def _fail_nonfinite(self, request: Request) -> RequestOutput:
         """End a request whose logits held a nan or inf: its token means nothing (corrupt adapter weights,

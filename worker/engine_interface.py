@@ -52,6 +52,11 @@ class EngineInterface(Protocol):
 
     @property
     @abstractmethod
+    def num_adapters_loading(self) -> int:
+        """Adapters whose read from disk into host memory is queued or running."""
+
+    @property
+    @abstractmethod
     def num_running(self) -> int:
         """Requests being stepped."""
 

@@ -1,5 +1,8 @@
 """GET /v1/adapters and /v1/adapters/{name}: where each served adapter stands in the worker.
 
+The list carries `adapters_loading`: how many adapters the worker is still reading from disk into host memory, as
+its latest stats say (the /health header's count). Such an adapter's card shows residency "disk" and loading true.
+
 Residency is the fastest tier holding its weights ("gpu", "host", "disk"), with rank, target modules,
 pinned, version, last use and load times, as the worker reports them; the gateway adds the base model
 and creation time. The gateway serves a name only while the worker holds it (served_models.py); while a
@@ -30,7 +33,9 @@ from worker.ipc.messages import AdapterState
 
 async def list_adapters(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    return json_response({"object": "list", "data": await _cards(server)})
+    cards = await _cards(server)
+    return json_response({"object": "list", "data": cards,
+                          "adapters_loading": server.client.stats.num_adapters_loading})
 
 
 async def retrieve_adapter(request: Request) -> Response:

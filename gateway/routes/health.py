@@ -1,5 +1,10 @@
 """GET /health (200 empty, 503 once the worker is gone), GET and POST /ping (the same answer: SageMaker's
-health route, as vLLM serves it), /version and /metrics."""
+health route, as vLLM serves it), /version and /metrics.
+
+The health answer carries ADAPTERS_LOADING_HEADER: how many adapters the worker is still reading from disk into
+host memory (the --lora-modules adapters after startup, then those requests need). The server serves meanwhile, so
+the status stays 200.
+"""
 from __future__ import annotations
 
 import gzip
@@ -12,13 +17,15 @@ from starlette.routing import Route
 from gateway.responses import json_response
 from gateway.serving import ServingContext
 
+ADAPTERS_LOADING_HEADER = "x-loraplex-adapters-loading"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 GZIP_MIN_BYTES = 4096          # smaller pages go as they are
 
 
 async def health(request: Request) -> Response:
     server: ServingContext = request.app.state.server
-    return Response(status_code=200 if server.client.healthy else 503)
+    return Response(status_code=200 if server.client.healthy else 503,
+                    headers={ADAPTERS_LOADING_HEADER: str(server.client.stats.num_adapters_loading)})
 
 
 async def show_version(request: Request) -> Response:

@@ -42,6 +42,7 @@ class Server:
     url: str
     api_key: str
     demo: DemoAssets
+    log_path: Path         # the gateway's and the worker's output
 
     @property
     def headers(self) -> dict[str, str]:
@@ -144,7 +145,7 @@ def server(demo, tmp_path_factory) -> Server:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(process, url, log_path, STARTUP_SECONDS)
-        yield Server(url, API_KEY, demo)
+        yield Server(url, API_KEY, demo, log_path)
     finally:
         if process.poll() is None:
             stop_and_check_cleanup(process, log_path)

@@ -71,7 +71,7 @@ async def test_tp2_server_streams_equal_the_single_process_engine(demo, referenc
     with tp2_server(demo, log_path, flags) as (_, url):
         requests = stream_requests()
         alone = reference_runs(reference, requests, monkeypatch)
-        async with Server(url, API_KEY, demo).async_openai() as client:
+        async with Server(url, API_KEY, demo, log_path).async_openai() as client:
             together = await asyncio.gather(*(stream_text(client, r) for r in requests))
         assert_same_streams(reference, requests, together, alone)
         log = log_path.read_text()

@@ -52,11 +52,23 @@ async def test_adapters_list_the_worker_state_of_each_served_adapter():
             "created": listed["data"][1]["created"], "pinned": False, "residency": "disk", "loading": False,
             "slot": None, "rank": None, "target_modules": None, "version": None, "last_used": None,
             "load_time_ms": {"disk": None, "gpu": None}, "num_running": 0, "num_waiting": 0}
-    assert listed == {"object": "list", "data": [sql, poet]}
+    assert listed == {"object": "list", "data": [sql, poet], "adapters_loading": 0}
     assert one == sql
     assert missing.status_code == 404
     assert missing.json()["error"]["message"] == "The lora adapter 'nope' cannot be found."
     assert client.adapter_commands[-1] == ("list", "", None, False, False)
+
+
+async def test_adapters_being_read_into_host_memory_are_counted_and_shown_loading():
+    poet = AdapterState(name="poet", path="/p", version=1, residency="disk", loading=True, rank=8,
+                        target_modules=["q_proj"])
+    async with serve() as (http, client):
+        client.adapter_results[""] = AdapterCommandResult(0, ok=True, adapters=[SQL, poet])
+        client.stats = Stats(num_running=0, num_waiting=0, num_adapters_loading=1)
+        listed = (await http.get("/v1/adapters")).json()
+    assert listed["adapters_loading"] == 1
+    assert [(c["id"], c["residency"], c["loading"]) for c in listed["data"]] == [
+        ("sql", "gpu", False), ("poet", "disk", True)]
 
 
 async def test_adapters_answer_the_worker_error():

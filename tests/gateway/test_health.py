@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway_app import serve
+from worker.ipc.messages import Stats
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")])
@@ -15,6 +16,15 @@ async def test_health_routes_follow_the_worker(method, path):
         gone = await http.request(method, path)
     assert (serving.status_code, serving.content) == (200, b"")
     assert (gone.status_code, gone.content) == (503, b"")
+
+
+@pytest.mark.parametrize("loading", [0, 7])
+async def test_health_says_how_many_adapters_are_still_loading_and_stays_200(loading):
+    async with serve() as (http, client, app):
+        client.stats = Stats(num_running=0, num_waiting=0, num_adapters_loading=loading)
+        response = await http.get("/health")
+    assert (response.status_code, response.content) == (200, b"")
+    assert response.headers["x-loraplex-adapters-loading"] == str(loading)
 
 
 async def test_ping_needs_no_api_key():

@@ -17,7 +17,7 @@ from tests.gateway.fake_engine import FakeEngine
 from worker.__main__ import GatewayGone, Worker
 from worker.config import ModelConfig, WorkerConfig
 from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, OutputBatch,
-                                 RequestOutput, SamplingParams, Shutdown, ToGateway, TokenLogprob)
+                                 RequestOutput, SamplingParams, Shutdown, Stats, ToGateway, TokenLogprob)
 from worker.ipc.shm_ring import ShmRing
 
 DELAY_S = 0.5     # the stand-in engine's launch delay between two steps the test sees
@@ -282,3 +282,17 @@ def test_counters_go_at_most_every_interval_while_busy_and_at_once_when_idle(rin
     worker._send_stats_if_changed(engine, busy=True)               # the interval passed
     worker._send_stats_if_changed(engine, busy=False)              # idle: at once
     assert engine.looks == 3 and [s.num_preemptions for s in sent()] == [2, 3]
+
+
+class LoadingEngine(FakeEngine):
+    """FakeEngine with `num_adapters_loading` adapters being read into host memory (the test sets it)."""
+    num_adapters_loading = 3
+
+
+def test_the_stats_tell_how_many_adapters_are_still_loading():
+    engine = LoadingEngine(WorkerConfig(ModelConfig("unused")))
+    with serving(engine) as gateway:
+        assert next_message(gateway.from_worker, Stats).num_adapters_loading == 3
+        engine.num_adapters_loading = 0
+        send(gateway.to_worker, add("a"))      # the next loop sends the stats that changed
+        assert next_message(gateway.from_worker, Stats).num_adapters_loading == 0

@@ -188,6 +188,7 @@ class Stats(msgspec.Struct, tag=True):
     num_preemptions: int = 0            # preemptions since the engine started
     prefix_cache_queries: int = 0       # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int = 0          # of those, tokens found cached
+    num_adapters_loading: int = 0       # adapters whose read from disk into host memory is queued or running
 
 
 ToWorker = AddRequest | AbortRequest | AdapterCommand | Shutdown

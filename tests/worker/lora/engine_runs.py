@@ -32,6 +32,23 @@ class InlineExecutor(concurrent.futures.Executor):
         return future
 
 
+class ManualExecutor(concurrent.futures.Executor):
+    """Holds each read until the test runs it."""
+
+    def __init__(self):
+        self.held: list[tuple[concurrent.futures.Future, object, tuple]] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = concurrent.futures.Future()
+        self.held.append((future, fn, args))
+        return future
+
+    def run_all(self):
+        for future, fn, args in self.held:
+            future.set_result(fn(*args))
+        self.held = []
+
+
 def make_engine(model_dir, adapters: dict[str, str] | None = None, *, overlap: bool = True, max_loras: int = 2,
                 max_cpu_loras: int | None = None, policy: str = "lru", lora_dirs=(), threads: bool = False,
                 max_lora_rank: int = 16, read_threads: int = 4, async_scheduling: bool = True, **sched) -> Engine:

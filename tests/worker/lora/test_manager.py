@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.hf_fixtures import ADAPTERS
-from tests.worker.lora.engine_runs import InlineExecutor
+from tests.worker.lora.engine_runs import InlineExecutor, ManualExecutor
 from worker.config import KernelConfig, LoRAConfig
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
 from worker.ipc.messages import LoadedAdapter
@@ -133,23 +133,6 @@ def test_loaded_adapters_list_each_current_version_once_by_its_fastest_tier(llam
 
 
 # a follower rank
-
-
-class ManualExecutor(concurrent.futures.Executor):
-    """Holds each read until the test runs it."""
-
-    def __init__(self):
-        self.held: list[tuple[concurrent.futures.Future, object, tuple]] = []
-
-    def submit(self, fn, /, *args, **kwargs):
-        future = concurrent.futures.Future()
-        self.held.append((future, fn, args))
-        return future
-
-    def run_all(self):
-        for future, fn, args in self.held:
-            future.set_result(fn(*args))
-        self.held = []
 
 
 class FollowerReads:

@@ -2,12 +2,14 @@
 traffic, no name registered by a request, pinning. Every output is checked against the same request run alone."""
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 import time
 
 import pytest
 
-from tests.worker.lora.engine_runs import alone, greedy, make_engine, prompt, run, tokens
+from tests.worker.lora.engine_runs import ManualExecutor, alone, greedy, make_engine, prompt, run, tokens
 from worker.engine import Engine
 from worker.lora.adapter import AdapterError
 from worker.lora.host_cache_plan import HOST_CACHE_FRACTION, HostCachePlanError, available_host_bytes
@@ -138,6 +140,34 @@ def test_warm_reads_are_filed_while_the_engine_is_idle(llama, variants):
     assert not engine.has_background_work() and not engine.has_unfinished()
     assert {s.name: (s.residency, s.loading) for s in engine.adapter_states()} == {
         "v0": ("host", False), "v1": ("host", False)}
+
+
+def test_warm_reads_are_counted_and_logged_until_the_last_is_filed(llama, variants, caplog):
+    """num_adapters_loading (the /health header's count) while the reads are held back, each such adapter's state,
+    and the log's first line once the registrations pause, its last once every read is filed."""
+    caplog.set_level(logging.INFO, logger="worker.warm_read_log")
+    engine = make_engine(llama, max_cpu_loras=4)
+    engine.adapters.reader.executor = held = ManualExecutor()
+    for name in ("v0", "v1", "v2"):
+        engine.add_adapter(name, variants[name], warm=True)
+    engine.add_adapter("cold", variants["v3"])              # not warm: no read until a request needs it
+    assert engine.num_adapters_loading == 3
+    assert {s.name: (s.residency, s.loading) for s in engine.adapter_states()} == {
+        "v0": ("disk", True), "v1": ("disk", True), "v2": ("disk", True), "cold": ("disk", False)}
+    deadline = time.monotonic() + 30
+    while not caplog.records and time.monotonic() < deadline:  # the first line waits for the registrations to pause
+        assert engine.idle_poll() == []
+        time.sleep(0.01)
+    assert [r.getMessage() for r in caplog.records] == ["reading 3 adapters into host memory"]
+    assert engine.num_adapters_loading == 3
+    held.run_all()
+    while engine.has_background_work():
+        assert engine.idle_poll() == []
+    assert engine.num_adapters_loading == 0
+    assert {s.name: s.residency for s in engine.adapter_states()} == {
+        "v0": "host", "v1": "host", "v2": "host", "cold": "disk"}
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and re.fullmatch(r"all 3 adapters read into host memory in \d+\.\d s", messages[1])
 
 
 def test_the_host_cache_is_bounded_by_half_the_available_memory_and_refuses_a_host_too_small(llama, monkeypatch):
