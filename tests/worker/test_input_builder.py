@@ -104,7 +104,9 @@ def test_mixed_graph_padding_gives_the_unpadded_logits(hf_models):
                                  lora=LoRAConfig(max_loras=2, max_lora_rank=16), device="cpu",
                                  async_scheduling=False))
     for spec in ADAPTERS[:2]:
-        engine.add_adapter(spec.name, str(adapter_dir(hf_models["llama"], spec.name)))
+        engine.add_adapter(spec.name, str(adapter_dir(hf_models["llama"], spec.name)), warm=True)
+    while engine.has_background_work():      # both read before the requests come: they start together, whatever
+        engine.idle_poll()                   # the reads' threads take on a busy machine
     engine.add_request("a", list(range(5, 14)), SamplingParams(max_tokens=8), ADAPTERS[0].name)
     engine.add_request("b", list(range(40, 46)), SamplingParams(max_tokens=8), None)
     engine.add_request("c", list(range(20, 27)), SamplingParams(max_tokens=8), ADAPTERS[1].name)
