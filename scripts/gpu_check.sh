@@ -2,7 +2,7 @@
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
-#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large] [scale] [scale-many]
+#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large] [scale] [scale-many] [warm-reads]
 # Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
 # into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
@@ -265,6 +265,15 @@ for stage in $stages; do
                --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
                --no-async-scheduling --out "$OUT/lora_loading_nostreams_sync.json" >> "$OUT/loading_nostreams.log" 2>&1 ;;
+    warm-reads)   # 1,000 rank-8 q,k,v,o --lora-modules (50 files hard-linked 20 times): TPOT while they are read after
+             # startup against after (bench.warm_reads), 8 and 256 streams; WARM_ARGS: more bench.warm_reads flags
+             python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok > /dev/null 2>&1
+             python3 -m bench.make_adapters --config $MODEL --out /tmp/warm0 --num 50 --rank 8 \
+               --targets q_proj,k_proj,v_proj,o_proj --device cuda > /dev/null 2>&1
+             for i in $(seq 0 999); do mkdir -p /tmp/warm/lora-$i; ln -f /tmp/warm0/lora-$((i % 50))/* /tmp/warm/lora-$i/; done
+             timeout 420 python3 -m bench.warm_reads --model $MODEL --adapters /tmp/warm --num-adapters 1000 \
+               --streams 8 256 --seconds 30 ${WARM_ARGS:-} --out "$OUT/warm_reads.json" -- --tokenizer /tmp/tok \
+               --max-loras 128 --max-lora-rank 64 --max-num-seqs 256 > "$OUT/warm_reads.log" 2>&1 ;;
   esac
   echo "$stage: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/stages.txt"
 done
