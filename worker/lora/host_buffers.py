@@ -33,6 +33,8 @@ PREPARE_THREADS = 4      # registrations side by side before serving: ~4 GB/s on
 
 
 class HostBuffers:
+    """Buffers for host-cache entries, page-locked when `pin`; at most `keep_bytes` of them kept idle."""
+
     def __init__(self, pin: bool, keep_bytes: int = 1 << 30):
         self.pin, self.keep_bytes = pin, keep_bytes
         self._idle: dict[int, list[torch.Tensor]] = defaultdict(list)    # size -> buffers given back
@@ -53,11 +55,9 @@ class HostBuffers:
 
     def get(self, num_bytes: int) -> torch.Tensor:
         """A [num_bytes] uint8 buffer (page-locked when pinning): one given back, or a new one."""
-        with self._lock:
-            idle = self._idle.get(num_bytes)
-            if idle:
-                self._idle_bytes -= num_bytes
-                return idle.pop()
+        buffer = self._take_idle(num_bytes)
+        if buffer is not None:
+            return buffer
         with self._registering:                   # one at a time while serving
             return self._new(num_bytes)
 
@@ -79,12 +79,16 @@ class HostBuffers:
         return len(pending)
 
     def _prepared(self, num_bytes: int) -> torch.Tensor:
+        buffer = self._take_idle(num_bytes)
+        return buffer if buffer is not None else self._new(num_bytes)
+
+    def _take_idle(self, num_bytes: int) -> torch.Tensor | None:
         with self._lock:
             idle = self._idle.get(num_bytes)
-            if idle:
-                self._idle_bytes -= num_bytes
-                return idle.pop()
-        return self._new(num_bytes)
+            if not idle:
+                return None
+            self._idle_bytes -= num_bytes
+            return idle.pop()
 
     def _prepared_done(self, future: concurrent.futures.Future) -> None:
         with self._lock:
