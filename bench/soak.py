@@ -164,7 +164,7 @@ def start_server(port: int, max_loras: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180) -> None:
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180, every_s: float = 0.5) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -174,7 +174,7 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 180) ->
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.5)
+        time.sleep(every_s)
     raise RuntimeError(f"the server was not healthy within {timeout_s} s")
 
 

@@ -33,13 +33,12 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
+
+from bench.soak import wait_healthy
+from bench.workloads import adapter_names, zipf_weights
 
 SETTLE_S = 2.0      # gaps this soon after the reads ended count as neither
-
-
-def zipf_choice(rng: random.Random, n: int, alpha: float = 1.0) -> int:
-    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
-    return rng.choices(range(n), weights)[0]
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> list[float]:
@@ -54,9 +53,11 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> list[float
 
 def _client(base_url: str, streams: int, seconds: float, input_len: int, output_len: int, num_adapters: int,
             vocab: int, seed: int, queue) -> None:
+    names, weights = adapter_names("lora", num_adapters), zipf_weights(num_adapters, 1.0)
+
     async def loop(client: httpx.AsyncClient, rng: random.Random, end: float, out: list) -> None:
         while time.time() < end:
-            body = {"model": f"lora-{zipf_choice(rng, num_adapters)}", "max_tokens": output_len, "temperature": 0,
+            body = {"model": rng.choices(names, weights)[0], "max_tokens": output_len, "temperature": 0,
                     "ignore_eos": True, "stream": True,
                     "prompt": [rng.randrange(10, vocab - 10) for _ in range(input_len)]}
             out.append(await _stream(client, f"{base_url}/v1/completions", body))
@@ -77,12 +78,8 @@ def _metric(text: str, name: str) -> float:
 
 def _rss(pid: int) -> int:
     """Resident bytes of `pid` and its children (the worker is a child of the gateway)."""
-    total = 0
-    for p in [pid] + [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]:
-        for line in open(f"/proc/{p}/status"):
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+    process = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
 
 def run_point(args, streams: int, port: int) -> dict:
@@ -94,15 +91,7 @@ def run_point(args, streams: int, port: int) -> dict:
     base = f"http://127.0.0.1:{port}"
     try:
         started = time.time()
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited ({server.returncode}); see {log.name}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        wait_healthy(base, server, timeout_s=600, every_s=0.05)
         healthy = time.time()
         time.sleep(args.start_after_s)
         traffic = time.time()

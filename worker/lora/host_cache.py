@@ -80,13 +80,14 @@ class HostCache:
         if self.capacity_bytes is not None and num_bytes > self.capacity_bytes:
             return False
         victims, count, size = [], len(self._entries) + 1, self._bytes + num_bytes
-        for victim in self._victims(protected, next_use or {}):
-            if self._fits(count, size):
-                break
-            victims.append(victim)
-            count, size = count - 1, size - self._sizes[victim]
-        if not self._fits(count, size):
-            return False
+        if not self._fits(count, size):          # eviction order is sorted only when something must go
+            for victim in self._victims(protected, next_use or {}):
+                victims.append(victim)
+                count, size = count - 1, size - self._sizes[victim]
+                if self._fits(count, size):
+                    break
+            if not self._fits(count, size):
+                return False
         for victim in victims:
             self._forget(victim)
             self.evictions += 1
