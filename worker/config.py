@@ -156,9 +156,13 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = field(default=64, metadata=flag("--max-num-seqs", type=int))
-    # per-step token budget (chunked prefill splits above it)
-    max_num_batched_tokens: int = field(default=2048, metadata=flag("--max-num-batched-tokens", type=int))
+    # None: vLLM's default for the device (worker/batch_defaults.py), set by the engine
+    max_num_seqs: int | None = field(default=None, metadata=flag(
+        "--max-num-seqs", type=positive_int, help="default: vLLM's for the device (CPU 128, GPU 256 or 1024)"))
+    # per-step token budget (chunked prefill splits above it); None: vLLM's default for the device
+    max_num_batched_tokens: int | None = field(default=None, metadata=flag(
+        "--max-num-batched-tokens", type=positive_int,
+        help="default: vLLM's for the device (CPU 2048, GPU 2048, 8192 or 16384)"))
     max_adapter_bypasses: int = 16       # later requests may overtake one waiting for a slot this often
 
 

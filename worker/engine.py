@@ -14,6 +14,7 @@ they finish.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.batch import ScheduledBatch
+from worker.batch_defaults import DeviceFacts, resolve_batch_limits
 from worker.config import WorkerConfig
 from worker.ranks.group import FollowerRanks
 from worker.distributed.tensor_parallel import SINGLE
@@ -71,11 +73,13 @@ def resolve_dtype(name: str, checkpoint: torch.dtype, device: torch.device) -> t
 
 class Engine:
     def __init__(self, config: WorkerConfig):
-        self.config = config
         self.device = resolve_device(config.device)
         self.arch = ArchConfig.from_dir(config.model.path)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.dtype, self.device)
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
+        config = dataclasses.replace(config, scheduler=resolve_batch_limits(
+            config.scheduler, DeviceFacts.of(self.device), config.tensor_parallel_size, self.max_model_len))
+        self.config = config      # with the batch limits the flags left to vLLM's defaults
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = list(self.arch.eos_token_ids)
         # the grammar compiler (xgrammar, the tokenizer's vocabulary) is made on its own thread while the model loads:
@@ -104,8 +108,10 @@ class Engine:
         self._arrivals = itertools.count()
         self._warm_reads = WarmReadLog()      # the log of the --lora-modules adapters' reads into host memory
         self.structured.wait_ready()          # begun before the model loaded; no request waits for it later
-        logger.info("engine ready: %s on %s (%s), %d KV blocks (%s), %s adapter loads, prefix caching %s",
-                    self.arch.architecture, self.device, self.dtype, self.num_kv_blocks, config.cache.kv_cache_dtype,
+        logger.info("engine ready: %s on %s (%s), %d KV blocks (%s), max_num_seqs %d, max_num_batched_tokens %d, "
+                    "%s adapter loads, prefix caching %s", self.arch.architecture, self.device, self.dtype,
+                    self.num_kv_blocks, config.cache.kv_cache_dtype, config.scheduler.max_num_seqs,
+                    config.scheduler.max_num_batched_tokens,
                     "overlapped" if self.adapters.prefetcher is not None else "blocking",
                     "on" if config.cache.enable_prefix_caching else "off")
 

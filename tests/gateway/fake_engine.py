@@ -1,15 +1,17 @@
 """Stand-ins for worker.engine.Engine in gateway tests: no model, no torch, deterministic tokens.
 
 FakeEngine emits one token per step for every running request: output token i of a request is
-(sum(prompt) + i) % VOCAB_SIZE. It honours max_tokens, max_num_seqs (the rest wait), aborts and
-adapters by name; errors carry a `status_code` like worker.lora.adapter.AdapterError. Each running
-request holds one KV block. The rest (nothing preempted, no adapter tiers) is bench/stand_in_engine.py's.
+(sum(prompt) + i) % VOCAB_SIZE. It honours max_tokens, max_num_seqs (the rest wait; unset: the CPU's default, as
+the engine resolves it), aborts and adapters by name; errors carry a `status_code` like
+worker.lora.adapter.AdapterError. Each running request holds one KV block. The rest (nothing preempted, no adapter
+tiers) is bench/stand_in_engine.py's.
 """
 from __future__ import annotations
 
 import time
 
 from bench.stand_in_engine import StandInEngine
+from worker.batch_defaults import DeviceFacts, resolve_batch_limits
 from worker.config import WorkerConfig
 from worker.ipc.messages import RequestOutput, SamplingParams
 
@@ -36,7 +38,8 @@ class FakeEngine(StandInEngine):
     num_kv_blocks = NUM_KV_BLOCKS
 
     def __init__(self, config: WorkerConfig):
-        super().__init__(max_running=config.scheduler.max_num_seqs)
+        limits = resolve_batch_limits(config.scheduler, DeviceFacts("cpu"), 1, MAX_MODEL_LEN)
+        super().__init__(max_running=limits.max_num_seqs)
 
     def add_adapter(self, name: str, path: str, *, load_inplace: bool = False, pinned: bool = False,
                     warm: bool = False) -> None:
