@@ -13,7 +13,10 @@ consecutive chunks) is filed by when it ended: during the reads, or after them (
 not straddled); `--start-after-s` past the reads with `--split-s` (a fixed split after the streams start) is the control: the first
 stretch of traffic with nothing being read. Reports,
 per stream count, TPOT (the mean gap) and gap p50 / p95 during and after and their
-ratio, how long the reads took from /health, and the host cache's bytes and the worker's RSS once they are done.
+ratio, how long the reads took from /health, and the host cache's bytes and the worker's RSS once they are done;
+to see when the slow gaps come, the gaps' mean and largest per `--bin-s` of traffic and the largest gaps with the
+time they ended. `--py-spy SECONDS` records the worker with py-spy (every thread, idle included) for that long from
+/health, as collapsed stacks beside `--out`.
 """
 from __future__ import annotations
 
@@ -93,6 +96,7 @@ def run_point(args, streams: int, port: int) -> dict:
         started = time.time()
         wait_healthy(base, server, timeout_s=600, every_s=0.05)
         healthy = time.time()
+        profiler = _py_spy(server.pid, args.py_spy, f"{args.out}.py-spy-{streams}.txt") if args.py_spy else None
         time.sleep(args.start_after_s)
         traffic = time.time()
         vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
@@ -116,6 +120,8 @@ def run_point(args, streams: int, port: int) -> dict:
         requests = [times for _ in clients for times in queue.get()]
         for c in clients:
             c.join()
+        if profiler is not None:
+            profiler.wait(60)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -139,13 +145,39 @@ def run_point(args, streams: int, port: int) -> dict:
                 "p95_ms": 1e3 * q[94], "p99_ms": 1e3 * q[98]}
     point = {"streams": streams, "startup_s": healthy - started,
              "reads_s_after_health": read_s,
-             "during": summary(during), "after": summary(after), "loaded_over_time": polls[::10]}
+             "during": summary(during), "after": summary(after), "loaded_over_time": polls[::10],
+             "timeline": _timeline(requests, traffic, healthy, args.bin_s)}
     if done_at is not None:
         point |= {"host_cache_bytes": host_bytes, "server_rss_bytes": rss}
     if "tpot_ms" in point["during"] and "tpot_ms" in point["after"]:
         point["tpot_ratio"] = point["during"]["tpot_ms"] / point["after"]["tpot_ms"]
         point["p95_ratio"] = point["during"]["p95_ms"] / point["after"]["p95_ms"]
     return point
+
+
+def _timeline(requests: list[list[float]], traffic: float, healthy: float, bin_s: float) -> dict:
+    """The gaps by when they ended: per `bin_s` from the traffic's start [start s, gaps, mean ms, max ms], and the
+    25 largest [ms, end s after /health]."""
+    gaps = [(b - a, b) for times in requests for a, b in zip(times, times[1:])]
+    bins: dict[int, list[float]] = {}
+    for gap, end in gaps:
+        bins.setdefault(int((end - traffic) // bin_s), []).append(gap)
+    largest = sorted(gaps, reverse=True)[:25]
+    return {"bins": [[k * bin_s, len(v), round(1e3 * statistics.fmean(v), 2), round(1e3 * max(v), 1)]
+                     for k, v in sorted(bins.items())],
+            "largest": [[round(1e3 * gap, 1), round(end - healthy, 3)] for gap, end in largest]}
+
+
+def _py_spy(server_pid: int, seconds: float, out: str) -> subprocess.Popen | None:
+    """py-spy recording the worker (the gateway's child holding the most memory) for `seconds`, collapsed stacks."""
+    children = psutil.Process(server_pid).children(recursive=True)
+    if not children:
+        print("no worker process to profile", file=sys.stderr)
+        return None
+    worker = max(children, key=lambda c: c.memory_info().rss)
+    return subprocess.Popen(["py-spy", "record", "-p", str(worker.pid), "-d", str(int(seconds)), "-r", "1000",
+                             "--threads", "--idle", "--nonblocking", "-f", "raw", "-o", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def main() -> None:
@@ -162,6 +194,8 @@ def main() -> None:
     p.add_argument("--split-s", type=float, help="a control: file gaps as 'during' until this many seconds after "
                    "the streams start, whenever the reads end (with --start-after-s past the reads: is the first "
                    "stretch of traffic slower whatever is read?)")
+    p.add_argument("--bin-s", type=float, default=0.5, help="the timeline's bin width")
+    p.add_argument("--py-spy", type=float, metavar="SECONDS", help="record the worker with py-spy this long")
     p.add_argument("--out", required=True)
     p.add_argument("serve_args", nargs=argparse.REMAINDER)
     args = p.parse_args()
@@ -169,7 +203,7 @@ def main() -> None:
     points = []
     for i, streams in enumerate(args.streams):
         point = run_point(args, streams, args.port + i)
-        print(json.dumps({k: v for k, v in point.items() if k != "loaded_over_time"}), flush=True)
+        print(json.dumps({k: v for k, v in point.items() if k not in ("loaded_over_time", "timeline")}), flush=True)
         points.append(point)
     Path(args.out).write_text(json.dumps({"settings": vars(args), "points": points}, indent=1))
 

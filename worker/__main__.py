@@ -20,6 +20,7 @@ import msgspec
 
 from worker.config import WorkerConfig
 from worker.engine_interface import EngineInterface
+from worker.gc_pauses import PAUSES, freeze
 from worker.ipc.messages import (AbortRequest, AdapterCommand, AdapterCommandResult, AddRequest, OutputBatch,
                                  Ready, RequestOutput, Shutdown, StartupFailed, Stats, ToWorker)
 from worker.ipc.shm_ring import ShmRing, ShmRingHandle
@@ -159,8 +160,9 @@ class Worker:
         try:
             if command.op == "list":
                 return AdapterCommandResult(command.command_id, ok=True, adapters=engine.adapter_states())
-            if command.op == "settle":
+            if command.op == "settle":      # the startup adapters are registered; the gateway serves next
                 engine.settle_adapters()
+                freeze()                    # their registrations' objects out of later collections' reach
                 return AdapterCommandResult(command.command_id, ok=True)
             if command.op == "load":
                 engine.add_adapter(command.name, command.path, load_inplace=command.load_inplace,
@@ -220,6 +222,8 @@ def _start_and_serve(worker: Worker, config: WorkerConfig, engine_factory: str) 
         worker.send(StartupFailed(f"{type(e).__name__}: {e}"))
         worker.flush()
         sys.exit(1)
+    freeze()            # the heap startup built, out of later collections' reach (worker/gc_pauses.py)
+    PAUSES.install()
     worker.send(Ready(engine.max_model_len, engine.vocab_size, list(engine.eos_token_ids), engine.num_kv_blocks))
     worker.flush()
     # From here the gateway decides when the worker stops (Shutdown, or its own exit): a terminal's Ctrl+C,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -16,8 +17,9 @@ from worker.lora.errors import AdapterError
 from worker.lora.formats.dense import dense_tensors
 from worker.lora.formats.expert_lora import ExpertLayerLoRA
 from worker.lora.formats.experts import EXPERT_MODULE_NAMES, expert_coverage, expert_tensors
-from worker.lora.peft_config import module_scaling, read_config
-from worker.lora.safetensors_file import read_data, read_header, tensor_bytes, tensor_file
+from worker.lora.peft_config import module_scaling, parse_config, read_config, read_config_bytes
+from worker.lora.safetensors_file import (parse_header, read_data, read_header, read_header_bytes, tensor_bytes,
+                                          tensor_file)
 from worker.lora.targets import LoRATargets
 
 _MAX_SCALING = 65504.0   # float16's largest value: beyond it a delta overflows the serving dtypes
@@ -101,11 +103,27 @@ def read_adapter(name: str, path: str | Path, targets: LoRATargets, max_lora_ran
                         tensor_file(path))
 
 
-def locate_adapter(name: str, path: str | Path, targets: LoRATargets, max_lora_rank: int) -> AdapterSource:
-    """Check a PEFT directory as read_adapter does and locate each module's weights in its tensor file,
-    reading no weights (slot_layout.SlotLayout.read_packed reads them straight into place); raises AdapterError."""
+class AdapterContents(NamedTuple):
+    """What a directory's checks and its weights' places depend on: adapter_config.json and the safetensors header
+    as stored, and the size of the data after the header. Two directories with equal contents pass the same checks
+    and hold their weights at the same file offsets."""
+    config: bytes
+    header: bytes
+    data_size: int
+
+
+def read_contents(path: str | Path) -> AdapterContents:
     path = Path(path)
-    header, data_start, checked, scalings, experts = _check_directory(name, path, targets, max_lora_rank)
+    return AdapterContents(read_config_bytes(path), *read_header_bytes(path))
+
+
+def locate_adapter(name: str, path: str | Path, targets: LoRATargets, max_lora_rank: int,
+                   contents: AdapterContents | None = None) -> AdapterSource:
+    """Check a PEFT directory as read_adapter does and locate each module's weights in its tensor file,
+    reading no weights (slot_layout.SlotLayout.read_packed reads them straight into place); raises AdapterError.
+    `contents`: the directory's, read already (read_contents), checked instead of reading them again."""
+    path = Path(path)
+    header, data_start, checked, scalings, experts = _check_directory(name, path, targets, max_lora_rank, contents)
     modules = {}
     for key, keys in checked.items():
         (_, a_shape, a_begin, a_end), (_, b_shape, b_begin, b_end) = header[keys["A"]], header[keys["B"]]
@@ -116,12 +134,14 @@ def locate_adapter(name: str, path: str | Path, targets: LoRATargets, max_lora_r
                          {entry[0] for entry in header.values()}, modules, experts)
 
 
-def _check_directory(name: str, path: Path, targets: LoRATargets,
-                     max_lora_rank: int) -> tuple[dict, int, dict, dict, dict[int, ExpertLayerLoRA]]:
+def _check_directory(name: str, path: Path, targets: LoRATargets, max_lora_rank: int,
+                     contents: AdapterContents | None = None) -> tuple[dict, int, dict, dict,
+                                                                       dict[int, ExpertLayerLoRA]]:
     """The checks of read_adapter: (header, data start, (layer, module) -> tensor keys, -> scaling, experts)."""
-    config = read_config(path)
+    config = read_config(path) if contents is None else parse_config(contents.config, path)
     _check_config(config, targets, max_lora_rank)
-    header, data_start = read_header(path)
+    header, data_start = (read_header(path) if contents is None else
+                          parse_header(contents.header, contents.data_size, path))
     checked, experts = _check_modules(name, path, header, data_start, config, targets, max_lora_rank)
     scalings = {}
     for (layer, module), keys in checked.items():

@@ -11,14 +11,26 @@ from worker.lora.errors import AdapterError
 
 
 def read_config(path: Path) -> dict:
+    return parse_config(read_config_bytes(path), path)
+
+
+def read_config_bytes(path: Path) -> bytes:
+    """adapter_config.json as stored; AdapterError (404) when it or the directory is missing."""
     cfg_file = path / "adapter_config.json"
     if not path.is_dir():
         raise AdapterError(f"No adapter found at {path}: the directory does not exist", status_code=404)
     if not cfg_file.is_file():
         raise AdapterError(f"No adapter found at {path}: adapter_config.json is missing", status_code=404)
     try:
-        return json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
+        return cfg_file.read_bytes()
+    except OSError as e:
+        raise AdapterError(f"adapter_config.json in {path} is unreadable: {e}") from e
+
+
+def parse_config(raw: bytes, path: Path) -> dict:
+    try:
+        return json.loads(raw)
+    except ValueError as e:
         raise AdapterError(f"adapter_config.json in {path} is unreadable: {e}") from e
 
 

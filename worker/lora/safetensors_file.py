@@ -29,6 +29,11 @@ def tensor_file(path: str | Path) -> Path:
 def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], int]:
     """key -> (dtype, shape, begin, end) of adapter_model.safetensors (byte offsets into its data
     section), and the file offset where that section starts."""
+    return parse_header(*read_header_bytes(path), path)
+
+
+def read_header_bytes(path: Path) -> tuple[bytes, int]:
+    """adapter_model.safetensors' JSON header as stored, and the size of the data section after it."""
     file = tensor_file(path)
     try:
         with open(file, "rb") as f:
@@ -37,7 +42,17 @@ def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...
             if size < 0:
                 raise ValueError(f"a header of {length} bytes does not fit the file")
             f.seek(8)
-            entries = json.loads(f.read(length))
+            raw = f.read(length)
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"adapter_model.safetensors in {path} is unreadable: {e!r}") from e
+    return raw, size
+
+
+def parse_header(raw: bytes, size: int, path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]],
+                                                             int]:
+    """read_header's answer from read_header_bytes'."""
+    try:
+        entries = json.loads(raw)
         header = {}
         for key, entry in entries.items():
             if key == "__metadata__":
@@ -48,9 +63,9 @@ def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...
             if not 0 <= begin <= end <= size or end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"tensor {key!r} lies outside the data or does not match its shape")
             header[key] = (dtype, shape, begin, end)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise AdapterError(f"adapter_model.safetensors in {path} is unreadable: {e!r}") from e
-    return header, 8 + length
+    return header, 8 + len(raw)
 
 
 def read_data(path: Path, start: int) -> torch.Tensor:

@@ -14,11 +14,15 @@ projections it adapts); lora/expansion.py writes such an entry into a slot.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import hashlib
 import math
+import threading
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,7 +31,8 @@ from torch import nn
 
 from worker.lora.weights import LoRAWeights, MoELoRAWeights
 from worker.lora.adapter import (AdapterBytes, AdapterError, AdapterSource, AdapterSpec, ModuleBytes, ModuleSource,
-                                 locate_adapter, read_adapter)
+                                 locate_adapter, read_adapter, read_contents)
+from worker.lora.safetensors_file import tensor_file
 from worker.lora.expert_layout import expert_layer_reads, expert_regions, expert_views, pack_expert_layer
 from worker.lora.file_reads import read_in_parts
 from worker.lora.host_buffers import HostBuffers
@@ -35,6 +40,7 @@ from worker.lora.host_cache import HostAdapter
 from worker.lora.targets import EXPERT_MODULES
 
 _ALIGN = 256        # bytes; every region starts aligned (kernels specialise on 16-byte alignment)
+MAX_PLANS = 64      # PackedReader keeps this many plans (distinct adapter configs and headers), the latest used
 
 
 def _aligned(n: int) -> int:
@@ -128,57 +134,46 @@ class SlotLayout:
     def read_packed(self, source: AdapterSource, out: torch.Tensor | None = None,
                     pool: concurrent.futures.Executor | None = None, parts: int = 1) -> torch.Tensor | None:
         """The slot bytes of `source` (adapter.locate_adapter) as `pack` builds them, with the weights read
-        from the file straight into place: one scattered read (os.preadv) per file-contiguous run of
-        tensors, no staging copy (lora_B of rank < R, and expert LoRA's, as expert_layout.expert_layer_reads
-        says, are read aside and copied into place). None when the file stores another dtype than the slots'
-        (read_adapter converts it, then pack). The reads release the GIL for their whole length, so a reader
-        thread barely holds up the step loop. `out`: a [num_bytes] uint8 buffer to fill (every byte is written).
-        `pool`, `parts`: split the file reads into up to `parts` pieces read side by side on `pool`.
-        """
+        from the file straight into place (`packed_plan`, then its `fill`). None when the file stores another dtype
+        than the slots' (read_adapter converts it, then pack). `out`: a [num_bytes] uint8 buffer to fill (every byte
+        is written). `pool`, `parts`: split the file reads into up to `parts` pieces read side by side on `pool`."""
+        plan = self.packed_plan(source)
+        return None if plan is None else plan.fill(source.file, out, pool, parts)
+
+    def packed_plan(self, source: AdapterSource) -> PackedPlan | None:
+        """Where each byte of `source`'s slot bytes comes from (PackedPlan); None when the file stores another
+        dtype than the slots'."""
         if source.dtypes != {self.dtype}:
             return None
         item, R = self.dtype.itemsize, self.max_rank
-        packed = torch.empty(self.num_bytes, dtype=torch.uint8) if out is None else out
-        assert packed.shape == (self.num_bytes,) and packed.dtype == torch.uint8 and packed.is_contiguous()
-        # numpy for the small writes: no GIL hand-offs to the step loop between them (torch ops release
-        # the GIL and wait up to a switch interval to get it back); the reads release it for their length
-        buf = packed.numpy()
-        view = memoryview(buf)
-        reads: list[tuple[int, memoryview]] = []          # (file offset, destination)
-        padded: list[tuple[int, ModuleSource, np.ndarray]] = []   # B rows of rank < R, read aside
-        copies: list[Callable[[], None]] = []                      # expert B's read aside, into place
+        reads, padded, zeros, scalings, experts = [], [], [], [], []
         offset = 0
         for kind, value in self._parts(source.modules):
             if kind == "a":
                 size = value.rank * value.in_features * item
-                reads.append((value.a[0], view[offset:offset + size]))
+                reads.append((value.a[0], offset, size))
             elif kind == "b":
                 size = value.out_features * R * item
                 if value.rank == R:
-                    reads.append((value.b[0], view[offset:offset + size]))
+                    reads.append((value.b[0], offset, size))
                 else:
-                    rows = np.empty(value.b[1] - value.b[0], dtype=np.uint8)
-                    reads.append((value.b[0], memoryview(rows)))
-                    padded.append((offset, value, rows))
+                    padded.append((offset, value.b[0], value.b[1] - value.b[0], value.out_features, value.rank))
             elif kind == "experts":
                 layer, region = value
                 size = region.num_bytes
-                copies += expert_layer_reads(buf, region, source.experts.get(layer), reads)
+                experts.append((region, source.experts.get(layer)))
             elif kind == "scalings":
                 size = 4 * len(value)
-                buf[offset:offset + size] = np.array(value, dtype=np.float32).view(np.uint8)
+                scalings.append((offset, np.array(value, dtype=np.float32).view(np.uint8)))
             else:
                 size = value
-                buf[offset:offset + size] = 0
+                if size and zeros and zeros[-1][0] + zeros[-1][1] == offset:
+                    zeros[-1] = (zeros[-1][0], zeros[-1][1] + size)
+                elif size:
+                    zeros.append((offset, size))
             offset += size
-        with open(source.file, "rb") as f:
-            read_in_parts(f.fileno(), reads, pool, parts)
-        for offset, m, rows in padded:     # [out, R] rows of bytes: the first rank columns read, the rest zero
-            b = buf[offset:offset + m.out_features * R * item].reshape(m.out_features, R * item)
-            b[:, :m.rank * item] = rows.reshape(m.out_features, m.rank * item)
-            b[:, m.rank * item:] = 0
-        _run_all(copies, pool if parts > 1 else None)
-        return packed
+        return PackedPlan(self, source.spec.rank, tuple(sorted(reads)), tuple(padded), tuple(zeros),
+                          tuple(scalings), tuple(experts))
 
     def _parts(self, modules: dict) -> list[tuple[str, object]]:
         """The slot's bytes in order: ("a", module) its lora_A rows, ("b", module) its lora_B rows padded to R
@@ -224,6 +219,53 @@ class SlotLayout:
         return torch.cat(tensors, out=packed)
 
 
+@dataclass(frozen=True)
+class PackedPlan:
+    """How an adapter's slot bytes are written from its file (SlotLayout.packed_plan): the file ranges that land in
+    place, lora_B of a rank below the layout's read aside and padded, the zeros and the scalings. It depends on the
+    adapter's config and safetensors header alone, so one plan serves every adapter whose are the same bytes
+    (PackedReader keeps them by those bytes)."""
+    layout: SlotLayout                                  # the layout it fills (an entry layout)
+    rank: int                                           # the adapter's
+    reads: tuple[tuple[int, int, int], ...]             # (file offset, slot offset, bytes), in file order
+    padded: tuple[tuple[int, int, int, int, int], ...]  # (slot offset, file offset, bytes, out_features, rank)
+    zeros: tuple[tuple[int, int], ...]                  # (slot offset, bytes), runs merged
+    scalings: tuple[tuple[int, np.ndarray], ...]        # (slot offset, float32 values as bytes)
+    experts: tuple[tuple[object, object], ...]          # (ExpertRegion, ExpertLayerLoRA | None) per sparse layer
+
+    def fill(self, file: Path, out: torch.Tensor | None = None, pool: concurrent.futures.Executor | None = None,
+             parts: int = 1) -> torch.Tensor:
+        """The slot bytes, read from `file`: one scattered read (os.preadv) per file-contiguous run of tensors that
+        land in place, no staging copy (lora_B of rank < R, and expert LoRA's, as expert_layout.expert_layer_reads
+        says, are read aside and copied into place). The reads release the GIL for their whole length, and the
+        Python around them is a few lines per run, so a reader thread barely holds up the step loop."""
+        item, R = self.layout.dtype.itemsize, self.layout.max_rank
+        packed = torch.empty(self.layout.num_bytes, dtype=torch.uint8) if out is None else out
+        assert packed.shape == (self.layout.num_bytes,) and packed.dtype == torch.uint8 and packed.is_contiguous()
+        # numpy for the small writes: no GIL hand-offs to the step loop between them (torch ops release
+        # the GIL and wait up to a switch interval to get it back); the reads release it for their length
+        buf = packed.numpy()
+        view = memoryview(buf)
+        for offset, size in self.zeros:
+            buf[offset:offset + size] = 0
+        for offset, values in self.scalings:
+            buf[offset:offset + len(values)] = values
+        reads = [(at, view[offset:offset + size]) for at, offset, size in self.reads]
+        rows = [np.empty(size, dtype=np.uint8) for _, _, size, _, _ in self.padded]
+        reads += [(at, memoryview(r)) for (_, at, _, _, _), r in zip(self.padded, rows)]
+        copies: list[Callable[[], None]] = []
+        for region, found in self.experts:
+            copies += expert_layer_reads(buf, region, found, reads)
+        with open(file, "rb") as f:
+            read_in_parts(f.fileno(), reads, pool, parts)
+        for (offset, _, _, out_features, rank), r in zip(self.padded, rows):   # [out, R]: rank columns read
+            b = buf[offset:offset + out_features * R * item].reshape(out_features, R * item)
+            b[:, :rank * item] = r.reshape(out_features, rank * item)
+            b[:, rank * item:] = 0
+        _run_all(copies, pool if parts > 1 else None)
+        return packed
+
+
 def _a_bytes(m: ModuleBytes | ModuleSource) -> int:
     """lora_A's bytes: the tensor's (its rank's rows, or a fully sharded rank's share of the slot's rows,
     lora/shards.py), or the file range's (read in the slots' dtype only)."""
@@ -244,10 +286,11 @@ def _run_all(calls: list[Callable[[], None]], pool: concurrent.futures.Executor 
 
 
 class PackedReader:
-    """spec -> HostAdapter: check the directory again (it may have changed since it was registered) and
+    """spec -> HostAdapter: read the directory's config and header again (it may have changed since it was
+    registered; checked again unless bytes equal to them were checked before: the plans kept, `_packed_plan`) and
     read it into its entry layout (SlotLayout.entry_layout: its own rank and projections), in a buffer of
     `buffers` (page-locked on CUDA, given back when the entry is gone): straight from the file into place when
-    it stores the slots' dtype (SlotLayout.read_packed), else read, converted and packed. With `read_threads` > 1
+    it stores the slots' dtype (PackedPlan.fill), else read, converted and packed. With `read_threads` > 1
     the file reads of one adapter are split across that many threads of the reader's own pool.
     `shard`: a model sharded over tensor-parallel ranks; each adapter is then read whole and cut to this rank's
     share (lora/shards.py) before it is packed."""
@@ -259,6 +302,8 @@ class PackedReader:
         self.read_threads = read_threads
         self.pool = (concurrent.futures.ThreadPoolExecutor(read_threads, thread_name_prefix="lora-io")
                      if read_threads > 1 else None)
+        self._plans: collections.OrderedDict[bytes, PackedPlan] = collections.OrderedDict()   # by contents' digest
+        self._plans_lock = threading.Lock()
 
     def entry_bytes(self, spec: AdapterSpec) -> int:
         """The size of `spec`'s host-cache entry."""
@@ -286,18 +331,42 @@ class PackedReader:
             adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
             layout = self.layout.entry_layout(adapter.spec)
             return layout, adapter.spec.rank, lambda buffer: layout.pack(shard_adapter(self.shard, adapter), buffer)
-        source = locate_adapter(spec.name, spec.path, self.targets, self.layout.max_rank)
-        layout = self.layout.entry_layout(source.spec)
+        plan = self._packed_plan(spec)
+        if plan is None:           # stored in another dtype than the slots': read, converted, packed
+            adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
+            layout = self.layout.entry_layout(adapter.spec)
+            return layout, adapter.spec.rank, lambda buffer: layout.pack(adapter, buffer)
+        file = tensor_file(spec.path)
 
         def fill(buffer: torch.Tensor) -> None:
             try:
-                packed = layout.read_packed(source, buffer, pool=self.pool, parts=self.read_threads)
+                plan.fill(file, buffer, pool=self.pool, parts=self.read_threads)
             except OSError as e:
                 raise AdapterError(f"adapter_model.safetensors in {spec.path} is unreadable: {e!r}") from e
-            if packed is None:
-                adapter = read_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, self.layout.dtype)
-                layout.pack(adapter, buffer)
-        return layout, source.spec.rank, fill
+        return plan.layout, plan.rank, fill
+
+    def _packed_plan(self, spec: AdapterSpec) -> PackedPlan | None:
+        """The plan of `spec`'s directory as it is now: its config and header are read again, and checked again
+        unless a directory with the same bytes there was checked and planned before (a thousand adapters trained
+        alike share one plan; its checks and planning took ~2 ms of the GIL each, beside the step loop)."""
+        contents = read_contents(spec.path)
+        digest = hashlib.blake2b(contents.config, digest_size=32)
+        digest.update(contents.header)                  # hashlib lets go of the GIL over large inputs
+        digest.update(contents.data_size.to_bytes(8, "little"))
+        key = digest.digest()
+        with self._plans_lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        source = locate_adapter(spec.name, spec.path, self.targets, self.layout.max_rank, contents)
+        plan = self.layout.entry_layout(source.spec).packed_plan(source)
+        if plan is not None:
+            with self._plans_lock:
+                self._plans[key] = plan
+                while len(self._plans) > MAX_PLANS:
+                    self._plans.popitem(last=False)
+        return plan
 
     def _entry(self, layout: SlotLayout, rank: int, out: torch.Tensor | None,
                fill: Callable[[torch.Tensor], object]) -> HostAdapter:

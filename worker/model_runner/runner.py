@@ -13,6 +13,7 @@ import torch
 from worker.batch import ScheduledBatch, ScheduledSeq
 from worker.config import WorkerConfig
 from worker.distributed.tensor_parallel import SINGLE, TensorParallel
+from worker.gc_pauses import PAUSES, GCPauses
 from worker.ipc.messages import SamplingParams, TokenLogprob
 from worker.kv_cache.kv_pool import KVPool, bytes_per_block, fixed_num_blocks, kv_cache_dtype
 from worker.layers.sparse_moe import SparseMoE
@@ -43,8 +44,8 @@ class StepPaths:
     by adapter, a mixed-batch graph, or eagerly), the mean tokens of each kind of step and the largest eager step,
     so that a serving run's log shows whether its steps replay graphs and how full its batches are."""
 
-    def __init__(self, clock=time.monotonic):
-        self._clock = clock
+    def __init__(self, clock=time.monotonic, pauses: GCPauses = PAUSES):
+        self._clock, self._pauses = clock, pauses     # the collector's passes since the last line
         self._reset(clock())
 
     def count(self, path: str, num_tokens: int) -> None:
@@ -59,10 +60,10 @@ class StepPaths:
         if now - self._since >= STEP_LOG_INTERVAL_S:
             c, t = self._counts, self._tokens
             logger.info("steps in %.0f s: %d decode graphs (%.0f rows on average, %d with LoRA grouped by adapter), "
-                        "%d mixed-batch graphs (%.0f tokens on average), %d eager (largest %d tokens)",
+                        "%d mixed-batch graphs (%.0f tokens on average), %d eager (largest %d tokens); %s",
                         now - self._since, c.get("decode", 0), t.get("decode", 0) / max(c.get("decode", 0), 1),
                         c.get("grouped", 0), c.get("mixed", 0), t.get("mixed", 0) / max(c.get("mixed", 0), 1),
-                        c.get("eager", 0), self._largest_eager)
+                        c.get("eager", 0), self._largest_eager, self._pauses.describe())
             self._reset(now)
 
     def _reset(self, now: float) -> None:

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import json
+import shutil
 import threading
 import time
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from tests.hf_fixtures import ADAPTERS, adapter_dir
 from tests.worker.lora.engine_runs import make_engine
 from tests.worker.lora.slot_refs import laid_out
-from worker.lora.adapter import inspect_adapter, read_adapter
+from worker.lora.adapter import inspect_adapter, locate_adapter, read_adapter
 from worker.lora.expansion import Expansion
 from worker.lora.host_buffers import HostBuffers
 from worker.lora.errors import AdapterError
+from worker.lora import slot_layout
 from worker.lora.slot_layout import PackedReader, SlotLayout
 
 
@@ -109,7 +114,7 @@ def test_a_failed_read_gives_its_buffer_back(llama, monkeypatch):
 
     def failing_read(*args, **kwargs):
         raise OSError("the disk went away")
-    monkeypatch.setattr(SlotLayout, "read_packed", failing_read)
+    monkeypatch.setattr(slot_layout, "read_in_parts", failing_read)     # the file read itself fails
     with pytest.raises(AdapterError, match="unreadable.*the disk went away"):
         reader(spec)
     assert buffers.idle_bytes == held.packed.numel()      # the buffer the failed read took is back
@@ -157,3 +162,72 @@ def test_warm_adapters_take_their_memory_beside_each_other_and_settle_waits_for_
         time.sleep(0.01)
     assert all(engine.adapters.host_cache.is_filled(engine.adapters.registry.refs[n]) for n in names)
     assert buffers.settle() == 0
+
+
+def _copy_with_weights(source, out, scale: float):
+    """A copy of the adapter directory `source` with every weight multiplied by `scale`: the same config and
+    header bytes (names, dtypes, shapes, offsets), other weights."""
+    shutil.copytree(source, out)
+    file = out / "adapter_model.safetensors"
+    tensors = load_file(file)
+    with safe_open(file, "pt") as f:
+        metadata = f.metadata()
+    header = file.read_bytes()[:8 + int.from_bytes(file.read_bytes()[:8], "little")]
+    save_file({k: v * scale for k, v in tensors.items()}, file, metadata=metadata)
+    assert file.read_bytes()[:len(header)] == header
+    return out
+
+
+def test_directories_with_equal_config_and_header_share_a_plan_and_each_reads_its_own_weights(llama, tmp_path,
+                                                                                              monkeypatch):
+    engine = make_engine(llama, max_loras=1)
+    layout = engine.runner.lora_pool.layout
+    source = adapter_dir(llama, ADAPTERS[1].name)
+    dirs = [_copy_with_weights(source, tmp_path / f"copy{i}", scale) for i, scale in enumerate((1.0, -2.0, 0.5))]
+    located = []
+
+    def spy(*args, **kwargs):
+        located.append(str(args[1]))
+        return locate_adapter(*args, **kwargs)
+    monkeypatch.setattr(slot_layout, "locate_adapter", spy)
+    reader = PackedReader(layout, HostBuffers(pin=False))
+    for d in dirs:
+        spec = inspect_adapter(d.name, d, layout.targets, 16)
+        want = layout.pack(read_adapter(d.name, d, layout.targets, 16, torch.float32))
+        assert torch.equal(laid_out(layout, reader(spec)), want), d.name
+    assert located == [str(dirs[0])], "the first directory's checks and plan served the other two"
+
+
+def test_a_directory_changed_after_it_was_planned_is_checked_and_planned_again(llama, tmp_path, monkeypatch):
+    engine = make_engine(llama, max_loras=1)
+    layout = engine.runner.lora_pool.layout
+    d = _copy_with_weights(adapter_dir(llama, ADAPTERS[1].name), tmp_path / "a", 1.0)
+    reader = PackedReader(layout, HostBuffers(pin=False))
+    spec = inspect_adapter("a", d, layout.targets, 16)
+    reader(spec)
+    config = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps(config | {"lora_alpha": 3 * config["lora_alpha"]}))
+    want = layout.pack(read_adapter("a", d, layout.targets, 16, torch.float32))     # the new scalings
+    assert torch.equal(laid_out(layout, reader(spec)), want)
+    (d / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    with pytest.raises(AdapterError, match="use_dora"):
+        reader(spec)
+
+
+def test_plans_beyond_the_bound_go_the_least_recently_used_first(llama, tmp_path, monkeypatch):
+    engine = make_engine(llama, max_loras=1)
+    layout = engine.runner.lora_pool.layout
+    monkeypatch.setattr(slot_layout, "MAX_PLANS", 2)
+    located = []
+
+    def spy(*args, **kwargs):
+        located.append(args[0])
+        return locate_adapter(*args, **kwargs)
+    monkeypatch.setattr(slot_layout, "locate_adapter", spy)
+    reader = PackedReader(layout, HostBuffers(pin=False))
+    specs = {a.name: inspect_adapter(a.name, adapter_dir(llama, a.name), layout.targets, 16) for a in ADAPTERS[:3]}
+    names = list(specs)
+    for name in [names[0], names[1], names[0], names[2], names[0], names[1]]:
+        reader(specs[name])
+    # names[2] pushed out names[1] (names[0] was used later), and names[1] coming back pushed out names[2]
+    assert located == [names[0], names[1], names[2], names[1]]
