@@ -9,13 +9,19 @@ startup adapters are registered (`freeze`, before the gateway turns healthy), as
 what serving makes afterwards is collected as usual, in passes over it alone.
 
 `GCPauses` times each pass (gc.callbacks); the runner's periodic step line reports them (worker/model_runner/
-runner.py StepPaths).
+runner.py StepPaths), and a pass longer than LONG_PAUSE_S is logged as it ends (at most once a minute).
 """
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+LONG_PAUSE_S = 0.02       # a pass this long is worth a line of its own
+LONG_PAUSE_LOG_S = 60.0   # ... at most this often
 
 
 def freeze() -> None:
@@ -30,6 +36,7 @@ class GCPauses:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
         self._start = 0.0
+        self._logged_at = -LONG_PAUSE_LOG_S
         self._count = self._full = 0
         self._total = self._longest = 0.0
 
@@ -50,6 +57,10 @@ class GCPauses:
         self._full += info.get("generation") == 2
         self._total += pause
         self._longest = max(self._longest, pause)
+        if pause >= LONG_PAUSE_S and self._start - self._logged_at >= LONG_PAUSE_LOG_S:
+            self._logged_at = self._start
+            logger.warning("a garbage collection of generation %d paused the worker for %.0f ms (%d objects "
+                           "collected)", info.get("generation", -1), 1e3 * pause, info.get("collected", 0))
 
     def take(self) -> tuple[int, int, float, float]:
         """(passes, full passes, total seconds, longest seconds) since the last call, and start counting again."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 
 import pytest
@@ -27,6 +28,18 @@ def test_times_every_pass_and_counts_the_full_ones():
     assert pauses.take() == (0, 0, 0.0, 0.0), "take starts counting again"
     gc.collect(0)
     assert pauses.take() == (0, 0, 0.0, 0.0), "an uninstalled counter sees no pass"
+
+
+def test_a_long_pass_is_logged_at_most_once_a_minute(caplog):
+    times = [0.0, 0.001, 1.0, 1.5, 2.0, 2.5, 70.0, 70.5]    # passes of 1, 500, 500 and 500 ms
+    pauses = GCPauses(clock=iter(times).__next__)
+    with caplog.at_level(logging.WARNING, logger="worker.gc_pauses"):
+        for generation in (0, 2, 2, 1):
+            pauses._callback("start", {"generation": generation})
+            pauses._callback("stop", {"generation": generation, "collected": 7})
+    assert [r.getMessage() for r in caplog.records] == [
+        "a garbage collection of generation 2 paused the worker for 500 ms (7 objects collected)",
+        "a garbage collection of generation 1 paused the worker for 500 ms (7 objects collected)"]
 
 
 def test_describe_reads_the_passes_in_milliseconds():
