@@ -30,6 +30,18 @@ GRAMMAR_MATCH = re.compile(r"\([1-9][0-9]?( \+ [1-9][0-9]?)?\)")
 CLOSERS = {4: 4.0, 63: 4.0, 95: 4.0}     # '"', ']', '}': bytes, at the same ids in every byte-level BPE of the demo
 
 
+# Specs a greedy row may end early, each with the text an `ending_bias` drives it to before its end
+ENDS_EARLY = [("regex", "[a-z]{0,3}", "aaa"), ("json_object", "", "{}")]
+
+
+def ending_bias(tokenizer, forced: str, eos: int) -> dict[int, float]:
+    """A logit_bias under which a greedy row of an ENDS_EARLY spec takes `forced`'s characters, then its end (`eos`);
+    past the end an unconstrained row would take "Z", which no ENDS_EARLY spec allows (`tokenizer` is a
+    tokenizers.Tokenizer)."""
+    return ({tokenizer.token_to_id(c): 60.0 + i for i, c in enumerate(dict.fromkeys(forced))}
+            | {eos: 50.0, tokenizer.token_to_id("Z"): 100.0})
+
+
 def whitespace_ban(tokenizer) -> dict[str, int]:
     """A logit_bias that bans every token made of whitespace alone (`tokenizer` is a tokenizers.Tokenizer): JSON
     allows any whitespace between its tokens (vLLM's default), and a model trained on Python source, which indents

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.structured_cases import CLOSERS, SCHEMAS, SPECS, check, whitespace_ban
+from tests.structured_cases import CLOSERS, ENDS_EARLY, SCHEMAS, SPECS, check, ending_bias, whitespace_ban
 from worker.demo import ADAPTERS, SERVED_MODEL_NAME
 
 MODELS = [SERVED_MODEL_NAME, *(spec.name for spec in ADAPTERS)]
@@ -82,6 +82,44 @@ async def test_constrained_outputs_follow_their_specs_beside_free_requests(serve
             continue
         assert finish == "stop", (kind, route, model, stream, text)
         check(kind, spec, text)
+
+
+async def completion(http, body: dict) -> tuple[str, str, dict]:
+    """(text, finish_reason, usage) of a one-choice completion, streamed or not."""
+    if not body.get("stream"):
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["text"], choice["finish_reason"], response.json()["usage"]
+    text, finish, usage = "", None, None
+    async with http.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) \
+            as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                for choice in chunk["choices"]:
+                    text, finish = text + choice["text"], choice["finish_reason"] or finish
+                usage = chunk.get("usage") or usage
+    return text, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind, spec, forced", ENDS_EARLY)
+async def test_an_ignore_eos_request_stays_in_its_grammar_to_max_tokens(server, reference, kind, spec, forced,
+                                                                        stream):
+    """ignore_eos past the grammar's end: max_tokens tokens, finish reason "length" (vLLM's), and the text is the
+    grammar's match, the end tokens after it adding none; the worker logs no token outside the grammar."""
+    eos = reference.engine.eos_token_ids[0]
+    bias = {str(t): b for t, b in ending_bias(reference.tokenizer, forced, eos).items()}
+    body = {"model": SERVED_MODEL_NAME, "prompt": "end", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream, **constraint_fields(kind, spec, 1, {}), "logit_bias": bias}
+    warned = server.log_path.read_text().count("does not follow its grammar")
+    async with server.http() as http:
+        text, finish, usage = await completion(http, body)
+    assert (text, finish, usage["completion_tokens"]) == (forced, "length", 12)
+    check(kind, spec, text)
+    assert server.log_path.read_text().count("does not follow its grammar") == warned
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from tests.structured_cases import CLOSERS, REGEX, SCHEMAS, SPECS, check
+from tests.structured_cases import CLOSERS, ENDS_EARLY, REGEX, SCHEMAS, SPECS, check, ending_bias
 from worker.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.demo import ADAPTERS
 from worker.engine import Engine
 from worker.ipc.messages import SamplingParams, StructuredOutput
+from worker.structured.structured_outputs import token_bitmask_row
 
 ADAPTER_NAMES = [None] + [a.name for a in ADAPTERS[:2]]
 
@@ -93,6 +95,40 @@ def test_constrained_tokens_match_alone_and_in_a_batch(engine, tokenizer):
                          "c": (tokenizer.encode("y").ids, SamplingParams(max_tokens=20, seed=1), None),
                          "d": (tokenizer.encode("z").ids, constrained("regex", REGEX, 3), "doctests")})["b"]
     assert [o.new_token_ids for o in alone] == [o.new_token_ids for o in mixed]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("kind, spec, forced", ENDS_EARLY)
+def test_after_its_grammar_ends_an_ignore_eos_request_takes_end_tokens_until_max_tokens(
+        demo, tokenizer, caplog, kind, spec, forced, async_scheduling):
+    """With ignore_eos a constrained request goes on past its grammar's end to max_tokens (finish reason "length", as
+    vLLM's does), min_tokens or not, and only end-of-sequence tokens follow the end, so its text stays a match; an
+    unconstrained row would take "Z" there. Without ignore_eos the same request stops at the end."""
+    engine = make_engine(demo, async_scheduling)
+    eos = engine.eos_token_ids[0]
+    forced_ids = [tokenizer.token_to_id(c) for c in forced]
+
+    def params(**fields) -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=0.0, logit_bias=ending_bias(tokenizer, forced, eos),
+                              structured=StructuredOutput(kind, spec), **fields)
+    prompt = tokenizer.encode("end").ids
+    outputs = run(engine, {"ignore": (prompt, params(ignore_eos=True), None),
+                           "ignore-min": (prompt, params(ignore_eos=True, min_tokens=12), "chat"),
+                           "stop": (prompt, params(), None)})
+    for request_id, outs in outputs.items():
+        tokens = [t for o in outs for t in o.new_token_ids]
+        check(kind, spec, tokenizer.decode(tokens))          # the end tokens are special: no text
+        if request_id == "stop":
+            assert (tokens, outs[-1].finish_reason) == (forced_ids + [eos], "stop")
+        else:
+            assert (tokens, outs[-1].finish_reason) == (forced_ids + [eos] * (12 - len(forced)), "length")
+    assert "does not follow its grammar" not in caplog.text
+
+
+def test_a_token_bitmask_row_allows_its_tokens_alone():
+    row = token_bitmask_row([2, 33, 63], 64)
+    assert row.dtype == torch.int32 and row.tolist() == [0b100, 0b10 - (1 << 31)]     # bit 31 is the sign bit
+    assert [t for t in range(64) if row[t // 32] >> (t % 32) & 1] == [2, 33, 63]
 
 
 @pytest.mark.parametrize("kind, spec, message", [

@@ -7,6 +7,10 @@
 A matcher accepts a request's tokens as they are filed (`output_token_ids`, caught up when the next bitmask
 is made), so its state is the host's; with async scheduling the engine files the tokens in flight before it
 samples a batch with a constrained row whose last token is still pending (`needs_filed_tokens`).
+
+A grammar ends when it takes an end-of-sequence token, and the request with it, unless `ignore_eos`: the request goes
+on to `max_tokens` as vLLM's does (finish reason "length"), but where vLLM lets every token follow the end, only the
+end-of-sequence tokens may here, so its text stays a match.
 """
 from __future__ import annotations
 
@@ -25,22 +29,34 @@ logger = logging.getLogger(__name__)
 class _Matcher:
     """One request's grammar state over the tokens accepted so far."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, end_row: torch.Tensor):
         import xgrammar
         self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.end_row = end_row    # [ceil(vocab / 32)] int32: what may follow the grammar's end, its stop tokens
         self.num_accepted = 0
         self.broken = False       # a token the grammar refused was sampled (no token was allowed): unconstrained
 
     def catch_up(self, tokens: list[int], request_id: str) -> None:
         for token in tokens[self.num_accepted:]:
-            if not self.broken and not self.matcher.accept_token(token):
+            if not self.broken and not self._accept(token):
                 logger.warning("request %s: token %d does not follow its grammar; it goes on unconstrained",
                                request_id, token)
                 self.broken = True
         self.num_accepted = len(tokens)
 
+    def _accept(self, token: int) -> bool:
+        """Whether `token` may come next; the matcher takes it if so. Past the grammar's end (which xgrammar refuses
+        to go on from) a stop token may come, again and again."""
+        if self.matcher.is_terminated():
+            return bool(self.end_row[token // 32] >> (token % 32) & 1)
+        return self.matcher.accept_token(token)
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if not (self.broken or self.matcher.is_terminated()):
+        if self.broken:
+            return
+        if self.matcher.is_terminated():
+            bitmask[row] = self.end_row
+        else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
@@ -52,6 +68,7 @@ class StructuredOutputs:
         # made now, on the compiler's own thread (xgrammar's imports, the tokenizer's vocabulary): when the first
         # constrained request made it, that work held every other request up for seconds
         self._compiler = GrammarCompiler(tokenizer_path, vocab_size, list(eos_token_ids), disable_any_whitespace)
+        self._end_row = token_bitmask_row(eos_token_ids, vocab_size)   # what may follow a grammar's end
         self._compiling: dict[str, tuple[Request, Future]] = {}  # request id -> (request, compiled grammar)
         self._matchers: dict[str, _Matcher] = {}                 # request id -> its matcher, while it runs
 
@@ -77,7 +94,7 @@ class StructuredOutputs:
             del self._compiling[request_id]
             error = future.exception()
             if error is None:
-                self._matchers[request_id] = _Matcher(future.result())
+                self._matchers[request_id] = _Matcher(future.result(), self._end_row)
                 compiled.append(request)
             else:
                 failed.append((request, str(error), 400) if isinstance(error, ValueError) else
@@ -126,3 +143,12 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self._compiler.close()
+
+
+def token_bitmask_row(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """[ceil(vocab / 32)] int32 in xgrammar's layout, allowing `token_ids` alone: bit t % 32 of word t // 32 is token
+    t's. Running example: ids [2, 33] of a 64-token vocabulary give words [0b100, 0b10]."""
+    words = [0] * -(-vocab_size // 32)
+    for t in token_ids:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >> 31 else w for w in words], dtype=torch.int32)   # bit 31: the sign
