@@ -46,6 +46,7 @@ class Endpoint:
     adapter_field: str = "model"    # "model": model=<adapter>; "lora_path": model=<base>, lora_path=<adapter>
     ignore_eos: bool = True
     path: str = "/v1/completions"
+    structured: dict[str, Any] | None = None    # vLLM's `structured_outputs` of every request (regex, json, ...)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -56,6 +57,8 @@ class Endpoint:
                 "ignore_eos": self.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
         if spec.adapter is not None:
             body[self.adapter_field] = spec.adapter
+        if self.structured is not None:
+            body["structured_outputs"] = self.structured
         return body
 
 
@@ -316,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--adapter-field", choices=("model", "lora_path"), default="model",
         help="where a request names its adapter: model (loraplex, vLLM) or lora_path (SGLang)")
     add("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    add("--structured-outputs", type=json.loads, metavar="JSON",
+        help='vLLM\'s structured_outputs for every request, e.g. \'{"regex": "[a-z ]+"}\'')
     add_workload_arguments(parser)
     add("--warmup-requests", type=int, default=0, help="sent (and not counted) before the run")
     add("--client-processes", type=int, default=0,
@@ -355,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     workload = workload_from_args(args)
     model = args.model or asyncio.run(served_base_model(args.base_url.rstrip("/"), auth_headers(args.api_key)))
-    endpoint = Endpoint(args.base_url.rstrip("/"), model, args.api_key, args.adapter_field, args.ignore_eos)
+    endpoint = Endpoint(args.base_url.rstrip("/"), model, args.api_key, args.adapter_field, args.ignore_eos,
+                        structured=args.structured_outputs)
     processes = client_processes(args.client_processes, streams_in_flight(workload))
     records, duration = asyncio.run(benchmark(endpoint, workload, args.seed, args.warmup_requests,
                                               not args.no_progress, args.request_timeout, processes))

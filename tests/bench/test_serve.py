@@ -93,6 +93,25 @@ async def test_payload_names_the_adapter_in_the_chosen_field(field, adapter, exp
                     "stream": True, "stream_options": {"include_usage": True}, "auth": "Bearer k"}
 
 
+async def test_payload_carries_the_structured_outputs_given():
+    endpoint = Endpoint("http://server", "base", structured={"regex": "[a-z]+"})
+    _, seen = await send_scripted(sse(chunk("a")), endpoint=endpoint, spec=RequestSpec([7], 1, 5, None))
+    assert seen["structured_outputs"] == {"regex": "[a-z]+"}
+
+
+def test_structured_outputs_flag_reaches_every_request_against_a_live_server(server, tmp_path):
+    """Against the CPU demo server: a valid regex constrains every request, which completes; one the server refuses
+    fails every request with its 400."""
+    url, _ = server
+    common = ["--base-url", url, "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "6",
+              "--no-plots", "--no-progress", "--out", str(tmp_path / "run.json")]
+    result = serve.main([*common, "--structured-outputs", '{"regex": "(ab)+"}'])
+    assert result["summary"]["completed"] == 4 and result["summary"]["errors"] == 0
+    result = serve.main([*common, "--structured-outputs", '{"regex": "(ab"}'])
+    assert result["summary"]["errors"] == 4
+    assert all("400" in r["error"] or "regex" in r["error"].lower() for r in result["records"]), result["records"]
+
+
 # send schedule, with `send` replaced by a timed stand-in
 
 @pytest.fixture
