@@ -51,6 +51,7 @@ class Worker:
         self._decoder = msgspec.msgpack.Decoder(ToWorker)
         self._stats: Stats | None = None
         self._stats_at = -math.inf           # when the counters were last looked at
+        self._counts = (0, 0)                # the running and waiting requests then
         self._unnotified = False
         self._max_batch_bytes = outbound.capacity // 4     # a larger step is split, so a frame always fits
 
@@ -179,11 +180,13 @@ class Worker:
     def _send_stats_if_changed(self, engine: EngineInterface, busy: bool = False) -> None:
         """The engine's counters to the gateway (its /metrics) when they changed: while the engine has work, at
         most every STATS_INTERVAL_S (they walk the adapter tiers; with a thousand adapters being read, every step
-        would pay for it), at once when it has none (the last figures of a burst are never held back)."""
+        would pay for it) unless the numbers of running or waiting requests changed (a request shows as running
+        however short it is), at once when it has none (the last figures of a burst are never held back)."""
         now = time.monotonic()
-        if busy and now - self._stats_at < STATS_INTERVAL_S:
+        counts = (engine.num_running, engine.num_waiting)
+        if busy and now - self._stats_at < STATS_INTERVAL_S and counts == self._counts:
             return
-        self._stats_at = now
+        self._stats_at, self._counts = now, counts
         stats = Stats(engine.num_running, engine.num_waiting, list(engine.running_adapter_names()),
                       list(engine.waiting_adapter_names()), engine.lora_stats(), engine.kv_cache_usage,
                       engine.num_preemptions, engine.prefix_cache_queries, engine.prefix_cache_hits,

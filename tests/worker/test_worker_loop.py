@@ -284,6 +284,28 @@ def test_counters_go_at_most_every_interval_while_busy_and_at_once_when_idle(rin
     assert engine.looks == 3 and [s.num_preemptions for s in sent()] == [2, 3]
 
 
+class RunningEngine(CountingEngine):
+    """CountingEngine whose running requests the test sets."""
+    num_running = 0
+
+
+@pytest.mark.parametrize("rings", [1 << 20], indirect=True)
+def test_a_change_in_running_requests_goes_at_once_while_busy(rings, monkeypatch):
+    """A request shows as running however short it is: its start and end are not held back by the interval."""
+    from worker import __main__ as worker_main
+    worker, from_worker = rings
+    engine = RunningEngine()
+    clock = [100.0]
+    monkeypatch.setattr(worker_main.time, "monotonic", lambda: clock[0])
+    worker._send_stats_if_changed(engine, busy=True)
+    for running in (1, 1, 0):
+        clock[0] += worker_main.STATS_INTERVAL_S / 10
+        engine.num_running = running
+        worker._send_stats_if_changed(engine, busy=True)
+    stats = [m for m in received(from_worker) if type(m).__name__ == "Stats"]
+    assert [s.num_running for s in stats] == [0, 1, 0] and engine.looks == 3
+
+
 class LoadingEngine(FakeEngine):
     """FakeEngine with `num_adapters_loading` adapters being read into host memory (the test sets it)."""
     num_adapters_loading = 3
