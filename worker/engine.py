@@ -86,7 +86,8 @@ class Engine:
         # made by the first constrained request instead, its imports held every other request up for seconds
         self.structured = StructuredOutputs(config.model.tokenizer or config.model.path, self.vocab_size,
                                             self.eos_token_ids, self.device,
-                                            config.structured_outputs.disable_any_whitespace)
+                                            config.structured_outputs.disable_any_whitespace,
+                                            max_rows=config.scheduler.max_num_seqs)
         self.followers = (FollowerRanks(config, self.device, self.dtype, self.max_model_len)
                           if config.tensor_parallel_size > 1 else None)     # the other tensor-parallel ranks
         self.runner = ModelRunner(config, self.arch, self.device, self.dtype, self.max_model_len,

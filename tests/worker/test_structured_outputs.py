@@ -312,3 +312,80 @@ def test_the_grammar_compiler_is_made_when_the_engine_starts_not_by_the_first_co
     made = engine.structured._compiler._compiler          # the compiler's future, started by the engine
     assert made.done() and made.result() is not None      # done before the engine returned, unasked
     assert engine.structured.num_compiling == 0
+
+
+def _allowed(row: torch.Tensor) -> list[int]:
+    """The token ids a bitmask row allows."""
+    words = row.numpy().view("uint32").astype("int64")
+    return [w * 32 + b for w in range(len(words)) for b in range(32) if words[w] >> b & 1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="page-locked rows and their copies need a GPU"))])
+def test_a_steps_bitmask_equals_each_matcher_filled_alone(demo, device):
+    """StructuredOutputs.bitmask (batched accepts and fills, reused host rows) against a reference: for each row an
+    xgrammar matcher of its own, advanced token by token and filled alone. Rows: fresh, advanced one token a step
+    (the batched accept), advanced two tokens at once (one at a time), past its grammar's end, broken by a refused
+    token, finished, and without a grammar; three steps, so the two host buffers are each reused."""
+    import xgrammar
+    from types import SimpleNamespace
+    from worker.structured.structured_outputs import StructuredOutputs
+    arch = json.loads((demo.model_dir / "config.json").read_text())
+    vocab, eos = arch["vocab_size"], arch["eos_token_id"]
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    structured = StructuredOutputs(str(demo.model_dir), vocab, eos_ids, torch.device(device), max_rows=2)
+    structured.wait_ready()
+    specs = {"fresh": ("regex", REGEX), "one": ("json", json.dumps(SCHEMAS["nested"])), "two": ("regex", REGEX),
+             "ended": ("regex", "a"), "broken": ("regex", REGEX), "finished": ("regex", REGEX), "open": None}
+    requests = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        params = SimpleNamespace(structured=None if spec is None else StructuredOutput(*spec))
+        requests[name] = SimpleNamespace(request_id=name, params=params, arrival_seq=i, is_finished=False,
+                                         num_pending=0, output_token_ids=[])
+        if spec is not None:
+            structured.hold(requests[name])
+    while structured.num_compiling:
+        structured.wait(1.0)
+        structured.ready()
+    grammars = {name: structured._compiler.submit(StructuredOutput(*spec)).result()
+                for name, spec in specs.items() if spec is not None}
+    reference = {name: xgrammar.GrammarMatcher(g) for name, g in grammars.items()}
+    words = -(-vocab // 32)
+    batch = SimpleNamespace(seqs=[SimpleNamespace(samples=True, request=r) for r in requests.values()])
+
+    released = {"open"}                     # rows every token may follow
+
+    def expected() -> torch.Tensor:
+        rows = torch.full((len(requests), words), -1, dtype=torch.int32)
+        for row, (name, request) in enumerate(requests.items()):
+            if name in released:
+                continue
+            if reference[name].is_terminated():
+                rows[row] = token_bitmask_row(eos_ids, vocab)
+            else:
+                reference[name].fill_next_token_bitmask(rows, row)
+        return rows
+
+    def advance(name: str, count: int) -> None:
+        for _ in range(count):
+            mask = torch.zeros((1, words), dtype=torch.int32)
+            reference[name].fill_next_token_bitmask(mask, 0)
+            token = next(t for t in _allowed(mask[0]) if t not in eos_ids or name == "ended")
+            assert reference[name].accept_token(token)
+            requests[name].output_token_ids.append(token)
+
+    for step in range(3):
+        got = structured.bitmask(batch).cpu()
+        want = expected()
+        assert torch.equal(got, want), (step, [n for i, n in enumerate(requests) if not torch.equal(got[i], want[i])])
+        advance("one", 1)
+        advance("two", 2)
+        if step == 0:
+            advance("ended", 1)                               # "a", then the end token
+            requests["ended"].output_token_ids.append(eos_ids[0])
+            assert reference["ended"].accept_token(eos_ids[0]) and reference["ended"].is_terminated()
+            requests["broken"].output_token_ids.append(eos_ids[0])   # the grammar cannot end here
+            requests["finished"].is_finished = True
+            released |= {"broken", "finished"}
+    assert structured._matchers["broken"].broken and not structured._matchers["one"].broken
+    structured.close()
