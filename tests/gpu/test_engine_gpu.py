@@ -109,6 +109,30 @@ def test_grouped_lora_decode_graphs_match_hf_peft(hf_models, arch):
     assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, f"{arch} grouped")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_the_fused_gemm_backend_matches_hf_peft_and_fuses_prefills_and_grouped_decodes(hf_models, arch,
+                                                                                        enforce_eager, monkeypatch):
+    """KernelConfig(lora_backend="fused_gemm"): the prompts' steps and (with graphs) the decode steps of rows grouped
+    by adapter run kernels/lora_gemm.py, and every row tracks HF+PEFT as with the Triton backend."""
+    from worker.kernels import lora_gemm
+    calls, fused = [], lora_gemm.lora_gemm
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("tile_map") is not None)
+        return fused(*args, **kwargs)
+    monkeypatch.setattr(lora_gemm, "lora_gemm", counted)
+    model_dir = hf_models[arch]
+    engine = make_engine(model_dir, enforce_eager,
+                         kernels=KernelConfig(lora_backend="fused_gemm", grouped_lora_min_rows=4))
+    tokens, logits = run(engine, SHARED_ROWS, capture_logits=True)
+    assert calls, "the fused GEMM ran"
+    if not enforce_eager:
+        assert any(calls), "the grouped decode graphs captured the fused GEMM over the host's tile map"
+        assert engine.runner.graph_runner.replays["grouped"] >= NUM_STEPS - 2
+    assert_rows_track_hf(model_dir, SHARED_ROWS, tokens, logits, f"{arch} fused_gemm eager={enforce_eager}")
+
+
 # eight prompts of ~200 tokens: one mixed step of ~1,600 tokens (the tiny models hold 256 positions)
 LONG_ROWS = [(200, None), (190, "r4-qv"), (210, "r8-all"), (180, "r16-mlp-rs"), (205, "r8-all"), (195, None),
              (215, "r4-qv"), (185, "r8-all")]
