@@ -2,7 +2,7 @@
 # One run on the GPU machine: install the offline wheels, run the GPU tests, then the benchmarks.
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
-#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large] [scale] [scale-many] [warm-reads]
+#   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large] [scale] [scale-many] [warm-reads] [lora-gemm]
 # Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
 # into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
@@ -265,6 +265,12 @@ for stage in $stages; do
                --out "$OUT/lora_loading_nostreams.json" > "$OUT/loading_nostreams.log" 2>&1
              timeout 120 python3 -m bench.lora_loading --ranks 16 --patterns zipf1.5 --resident-streams 0 \
                --no-async-scheduling --out "$OUT/lora_loading_nostreams_sync.json" >> "$OUT/loading_nostreams.log" 2>&1 ;;
+    lora-gemm)   # the fused-GEMM LoRA path: its kernel, bench and engine tests, then bench.kernels_lora_gemm
+             # (LORA_GEMM_ARGS: more flags, e.g. --sweep)
+             python3 -m pytest -q tests/worker/kernels/test_lora_gemm.py tests/bench/test_kernels_lora_gemm_bench.py \
+               tests/gpu/test_engine_gpu.py -k "lora_gemm or fused or candidate or segments" > "$OUT/lora_gemm_tests.log" 2>&1
+             timeout 400 python3 -m bench.kernels_lora_gemm --out "$OUT/lora_gemm.json" --rows 16 64 256 1024 4096 \
+               --adapters 1 8 64 ${LORA_GEMM_ARGS:-} > "$OUT/lora_gemm.log" 2>&1 ;;
     warm-reads)   # 1,000 rank-8 q,k,v,o --lora-modules (50 files hard-linked 20 times): TPOT while they are read after
              # startup against after (bench.warm_reads), 8 and 256 streams; WARM_ARGS: more bench.warm_reads flags
              python3 -m bench.make_tokenizer --vocab-size 128256 --out /tmp/tok > /dev/null 2>&1
