@@ -3,6 +3,7 @@
 # Usage (device tool, with .whl carried): bash scripts/gpu_check.sh [tests] [decode] [floor] [kernels] [sweep] [gemv] [skinny] [replay-check] [host]
 #   [structured] [loading] [loading-rate32] [loading-nostreams] [serve] [serve-moe] [concurrency] [slora] [serve-sync]
 #   [serve-prefix] [serve-late] [tp] [moe] [hf] [gateway] [large] [scale] [scale-many] [warm-reads] [lora-gemm]
+#   [structured-serve]
 # Logs and JSON go to $OUT; with more than 8 files there (what the device tool brings back), all of them are packed
 # into $OUT/gpu_check.tgz at the end. SWEEP_ARGS / SERVE_ARGS add flags to bench.sweep / bench.serve.
 set -uo pipefail
@@ -101,6 +102,28 @@ for stage in $stages; do
     kernels) timeout 120 python3 -m bench.kernels_lora --out "$OUT/kernels_lora.json" > "$OUT/kernels.log" 2>&1 ;;
     structured)   # a decode step with a quarter of the batch constrained (JSON schema) against none, 8B shape
              timeout 400 python3 -m bench.structured_step --out "$OUT/structured.json" > "$OUT/structured.log" 2>&1 ;;
+    structured-serve)   # every request constrained (bench.serve --structured-outputs: a regex, a JSON schema) against
+             # the same load unconstrained, twice, at 32 and 256 streams (8B shape, one adapter loaded, 256 sequences)
+             python3 -m bench.make_adapters --config $MODEL --out /tmp/adapters-structured --num 1 --rank 8 > /dev/null 2>&1
+             start_server "$OUT/structured_serve.log" /tmp/adapters-structured --max-num-seqs 256 \
+               --max-num-batched-tokens 2048
+             vocab=$(python3 -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
+             for c in 32 256; do
+               for kind in plain regex json plain2; do
+                 case $kind in
+                   regex) so=(--structured-outputs '{"regex": "[a-z <>0-9]+"}') ;;
+                   json)  so=(--structured-outputs '{"json": {"type": "object", "properties": {"name": {"type": "string"},
+                            "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                            "required": ["name", "age", "tags"]}}') ;;
+                   *)     so=() ;;
+                 esac
+                 timeout 120 python3 -m bench.serve --base-url http://127.0.0.1:8100 --num-prompts $((c * 3)) \
+                   --max-concurrency $c --random-input-len 100 --random-output-len 256 --vocab-size "$vocab" \
+                   --warmup-requests 4 --no-plots --no-progress "${so[@]}" --out "$OUT/structured-$kind-$c.json" \
+                   >> "$OUT/structured_serve.log" 2>&1
+               done
+             done
+             kill $server_pid; wait $server_pid ;;
     sweep)   timeout 400 python3 -m bench.kernels_lora --sweep --out "$OUT/kernels_sweep.json" > "$OUT/sweep.log" 2>&1 ;;
     replay-check)   # the batch-32, 32-adapter graph replayed back to back, one variant per process
              # BURST: replays between syncs (default 1); REPLAY_VARIANTS: which variants, in order
