@@ -265,14 +265,25 @@ class CountingEngine(FakeEngine):
         return self.looks
 
 
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The worker loop's time.monotonic, which the test moves on (clock[0])."""
+    from worker import __main__ as worker_main
+    now = [100.0]
+    monkeypatch.setattr(worker_main.time, "monotonic", lambda: now[0])
+    return now
+
+
+def sent_stats(from_worker) -> list:
+    return [m for m in received(from_worker) if type(m).__name__ == "Stats"]
+
+
 @pytest.mark.parametrize("rings", [1 << 20], indirect=True)
-def test_counters_go_at_most_every_interval_while_busy_and_at_once_when_idle(rings, monkeypatch):
+def test_counters_go_at_most_every_interval_while_busy_and_at_once_when_idle(rings, clock):
     from worker import __main__ as worker_main
     worker, from_worker = rings
     engine = CountingEngine()
-    clock = [100.0]
-    monkeypatch.setattr(worker_main.time, "monotonic", lambda: clock[0])
-    sent = lambda: [m for m in received(from_worker) if type(m).__name__ == "Stats"]
+    sent = lambda: sent_stats(from_worker)
     worker._send_stats_if_changed(engine, busy=True)             # the first look goes at once
     for _ in range(5):                                             # busy steps within the interval: no look
         clock[0] += worker_main.STATS_INTERVAL_S / 10
@@ -290,20 +301,17 @@ class RunningEngine(CountingEngine):
 
 
 @pytest.mark.parametrize("rings", [1 << 20], indirect=True)
-def test_a_change_in_running_requests_goes_at_once_while_busy(rings, monkeypatch):
+def test_a_change_in_running_requests_goes_at_once_while_busy(rings, clock):
     """A request shows as running however short it is: its start and end are not held back by the interval."""
     from worker import __main__ as worker_main
     worker, from_worker = rings
     engine = RunningEngine()
-    clock = [100.0]
-    monkeypatch.setattr(worker_main.time, "monotonic", lambda: clock[0])
     worker._send_stats_if_changed(engine, busy=True)
     for running in (1, 1, 0):
         clock[0] += worker_main.STATS_INTERVAL_S / 10
         engine.num_running = running
         worker._send_stats_if_changed(engine, busy=True)
-    stats = [m for m in received(from_worker) if type(m).__name__ == "Stats"]
-    assert [s.num_running for s in stats] == [0, 1, 0] and engine.looks == 3
+    assert [s.num_running for s in sent_stats(from_worker)] == [0, 1, 0] and engine.looks == 3
 
 
 class LoadingEngine(FakeEngine):

@@ -67,35 +67,31 @@ def _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, xa_col0, ra
     return acc
 
 
-@triton.jit(do_not_specialize=["num_segments"])
-def _lora_expand_kernel(
-        y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, seg_lora_slots_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
-        tile_map_ptr, out_dim, stride_ym, stride_xas, stride_xam, stride_bw, stride_bo, stride_sw, num_segments,
-        SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
-        SPLIT_K: tl.constexpr, FLAT: tl.constexpr, TILE_MAP: tl.constexpr, ACCUMULATE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
-    # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile];
-    # FLAT: program (tile * NUM_N_TILES + n_tile, 0), tile numbering all segments' m tiles in turn;
-    # ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by BLOCK_R_HIGH (fewer, wider steps)
+@triton.jit
+def program_tile(tile_map_ptr, seg_indptr_ptr, num_segments, NUM_N_TILES: tl.constexpr, FLAT: tl.constexpr,
+                 TILE_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first column, segment, first row, segment end) of the output tile this program owns: program
+    (m_tile * NUM_N_TILES + n_tile, segment) owns [m tile of the segment, n tile]; FLAT: program
+    (tile * NUM_N_TILES + n_tile, 0), tiles numbered over all segments in turn (searched, or read from the host's
+    tile map); segment -1 when it owns none."""
     n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
     if TILE_MAP:
         seg, m0, seg_end = mapped_tile(tile_map_ptr, seg_indptr_ptr, tl.program_id(0) // NUM_N_TILES)
     else:
         seg, m0, seg_end = group_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, FLAT,
                                       BLOCK_M, CHUNK)
-    if seg < 0:
-        return
-    w = tl.load(seg_lora_slots_ptr + seg)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    return n0, seg, m0, seg_end
+
+
+@triton.jit
+def add_adapter_delta(delta, xa_ptr, b_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr, w, offs_m, mask_m, n0,
+                      stride_xas, stride_xam, stride_bw, stride_bo, stride_sw, SLICE_OFFSETS: tl.constexpr,
+                      NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
+    """`delta` ([BLOCK_M, BLOCK_N] float32) plus slot w's scaled LoRA product over rows offs_m and the columns from
+    n0, each slice that meets them adding its own columns; ranks up to 2 * BLOCK_R step by BLOCK_R, higher ranks by
+    BLOCK_R_HIGH (fewer, wider steps)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < seg_end
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    mask = mask_m[:, None] & (offs_n < out_dim)[None, :]
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if w < 0:
-        if not ACCUMULATE:
-            tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
-        return
     rank = tl.load(ranks_ptr + w)
     b_slot_ptr = b_ptr + w.to(tl.int64) * stride_bw
     for s in tl.static_range(NUM_SLICES):
@@ -110,6 +106,36 @@ def _lora_expand_kernel(
                 acc = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, mask_n, s * MAX_RANK, rank,
                                    stride_xas, stride_xam, stride_bo, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R_HIGH)
             delta += acc * tl.load(scalings_ptr + w.to(tl.int64) * stride_sw + s)   # slots may pass 2**31 elements
+    return delta
+
+
+@triton.jit(do_not_specialize=["num_segments"])
+def _lora_expand_kernel(
+        y_ptr, xa_ptr, b_ptr, seg_indptr_ptr, seg_lora_slots_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr,
+        tile_map_ptr, out_dim, stride_ym, stride_xas, stride_xam, stride_bw, stride_bo, stride_sw, num_segments,
+        SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
+        SPLIT_K: tl.constexpr, FLAT: tl.constexpr, TILE_MAP: tl.constexpr, ACCUMULATE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R_HIGH: tl.constexpr):
+    # program (m_tile * NUM_N_TILES + n_tile, segment) owns y[m tile of the segment, output cols n tile];
+    # FLAT: program (tile * NUM_N_TILES + n_tile, 0), tile numbering all segments' m tiles in turn;
+    n0, seg, m0, seg_end = program_tile(tile_map_ptr, seg_indptr_ptr, num_segments, NUM_N_TILES, FLAT, TILE_MAP,
+                                        BLOCK_M, BLOCK_N)
+    if seg < 0:
+        return
+    w = tl.load(seg_lora_slots_ptr + seg)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < seg_end
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    mask = mask_m[:, None] & (offs_n < out_dim)[None, :]
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if w < 0:
+        if not ACCUMULATE:
+            tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)
+        return
+    delta = add_adapter_delta(delta, xa_ptr, b_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr, w, offs_m, mask_m,
+                              n0, stride_xas, stride_xam, stride_bw, stride_bo, stride_sw, SLICE_OFFSETS, NUM_SLICES,
+                              MAX_RANK, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_R_HIGH)
     if ACCUMULATE:
         delta += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, delta.to(y_ptr.dtype.element_ty), mask=mask)

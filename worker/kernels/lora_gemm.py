@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels.lora_expand import _slice_bound, _slice_delta
-from worker.kernels.row_tiles import CHUNK, group_tile, mapped_tile
+from worker.kernels.lora_expand import add_adapter_delta, program_tile
 from worker.kernels.row_tiles_host import TILE_ROWS, max_tiles
 
 
@@ -40,14 +39,9 @@ def _lora_gemm_kernel(
         SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, MAX_RANK: tl.constexpr, NUM_N_TILES: tl.constexpr,
         TILE_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    # program (tile * NUM_N_TILES + n_tile) owns y[row tile `tile` (all segments' tiles numbered in turn), n tile];
-    # the K loop is the base product, the slices' LoRA products follow it into the same float32 accumulator
-    n0 = (tl.program_id(0) % NUM_N_TILES) * BLOCK_N
-    if TILE_MAP:
-        seg, m0, seg_end = mapped_tile(tile_map_ptr, seg_indptr_ptr, tl.program_id(0) // NUM_N_TILES)
-    else:
-        seg, m0, seg_end = group_tile(seg_indptr_ptr, num_segments, tl.program_id(0) // NUM_N_TILES, True,
-                                      BLOCK_M, CHUNK)
+    # the K loop is the base product; the tile's adapter delta follows it into the same float32 accumulator
+    n0, seg, m0, seg_end = program_tile(tile_map_ptr, seg_indptr_ptr, num_segments, NUM_N_TILES, True, TILE_MAP,
+                                        BLOCK_M, BLOCK_N)
     if seg < 0:
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -70,16 +64,9 @@ def _lora_gemm_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     v = tl.load(seg_lora_slots_ptr + seg)
     if v >= 0:
-        rank = tl.load(ranks_ptr + v)
-        b_slot_ptr = b_ptr + v.to(tl.int64) * stride_bw
-        for s in tl.static_range(NUM_SLICES):
-            lo = _slice_bound(slice_offsets_ptr, SLICE_OFFSETS, s)
-            hi = _slice_bound(slice_offsets_ptr, SLICE_OFFSETS, s + 1)
-            if (n0 < hi) & (n0 + BLOCK_N > lo):
-                in_slice = (offs_n >= lo) & (offs_n < hi)
-                delta = _slice_delta(xa_ptr, b_slot_ptr, offs_m, mask_m, offs_n, in_slice, s * MAX_RANK, rank, 0,
-                                     stride_xam, stride_bo, 1, BLOCK_M, BLOCK_N, BLOCK_R)
-                acc += delta * tl.load(scalings_ptr + v.to(tl.int64) * stride_sw + s)
+        acc = add_adapter_delta(acc, xa_ptr, b_ptr, ranks_ptr, scalings_ptr, slice_offsets_ptr, v, offs_m, mask_m, n0,
+                                0, stride_xam, stride_bw, stride_bo, stride_sw, SLICE_OFFSETS, NUM_SLICES, MAX_RANK, 1,
+                                BLOCK_M, BLOCK_N, BLOCK_R, BLOCK_R)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
